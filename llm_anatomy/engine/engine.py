@@ -1,0 +1,310 @@
+"""The engine: loads a model, owns the KV pool, and runs requests to completion step by step."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import AnatomyError, RequestError, WeightsError
+from ..hub import ModelSource, presets, read_json, resolve
+from ..models.attention import AttentionBatch
+from ..models.config import ModelConfig, parse_dtype
+from ..models.loader import WeightsInfo, build_model, has_checkpoint, init_synthetic, load_checkpoint
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .kv_cache import BlockTable, KVCachePool
+from .runner import ModelRunner
+from .sampling import Sampler, SamplingParams
+from .scheduler import Scheduler, Sequence
+
+log = logging.getLogger("llm_anatomy")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What generation_config.json says (or the Qwen3 family defaults for a preset with no files)."""
+
+    eos_token_ids: tuple[int, ...]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @classmethod
+    def for_source(cls, source: ModelSource, config: ModelConfig) -> "GenerationDefaults":
+        gen = {}
+        if source.directory is not None and (source.directory / "generation_config.json").is_file():
+            gen = read_json(source.directory / "generation_config.json")
+        elif source.origin == "preset":
+            gen = presets()["_family_facts"]["generation_config_defaults_thinking"]
+        eos = gen.get("eos_token_id", config.eos_token_id)
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if not gen.get("do_sample", True):
+            return cls(eos_ids, temperature=0.0)
+        return cls(eos_ids, float(gen.get("temperature", 1.0)), float(gen.get("top_p", 1.0)),
+                   int(gen.get("top_k", 0) or 0), float(gen.get("min_p", 0.0) or 0.0))
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_text: str | None = None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise AnatomyError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise AnatomyError(f"device {device!r} asked for, but this machine has no CUDA GPU; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise AnatomyError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+        return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    if dev.type != "cpu":
+        raise AnatomyError(f"device type {dev.type!r} is not supported; use cpu or cuda")
+    return dev
+
+
+class Engine:
+    def __init__(self, model, config: ModelConfig, tokenizer: Tokenizer, source: ModelSource, weights: WeightsInfo,
+                 device: torch.device, dtype: torch.dtype, defaults: GenerationDefaults, *,
+                 kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_model_len: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int | None = None, block_size: int = 16, seed: int | None = None):
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.source = source
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.defaults = defaults
+        if max_model_len is not None and not 0 < max_model_len <= config.max_position_embeddings:
+            raise AnatomyError(f"max_model_len must be in 1..{config.max_position_embeddings} "
+                               f"(the model's max_position_embeddings), got {max_model_len}")
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_num_batched_tokens = max_num_batched_tokens or min(self.max_model_len, 8192)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        blocks = self._kv_blocks(kv_cache_tokens, gpu_memory_utilization)
+        self.pool = KVCachePool(config, blocks, block_size, dtype, device)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, self.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.pool, device)
+        self.sampler = Sampler(device, seed)
+        self._ids = itertools.count()
+
+    # ---- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike = "Qwen/Qwen3-0.6B", device=None, dtype=None,
+                        weights: str | os.PathLike = "auto", *, seed: int = 0, **engine_args) -> "Engine":
+        """Load a model: `weights` is "auto" (real ones if found locally, else synthetic), "synthetic" or a directory."""
+        source = resolve(name_or_path)
+        config = ModelConfig.from_hf(source.config)
+        device = parse_device(device)
+        dtype = parse_dtype(dtype if dtype is not None else config.torch_dtype)
+        weights_dir = cls._weights_dir(source, weights)
+        tokenizer = Tokenizer.from_pretrained(source.directory or weights_dir or source.name)
+        model = build_model(config, device, dtype)
+        if weights_dir is not None:
+            info = load_checkpoint(model, weights_dir)
+        else:
+            if str(weights) == "auto":
+                log.warning("No local weights for %s: running synthetic random weights (timings, memory and "
+                            "energy are real; the text is not). For the real model: `hf download %s`, then "
+                            "run again, or pass --weights DIR.", source.name, source.name)
+            info = init_synthetic(model, seed)
+        return cls(model, config, tokenizer, source, info, device, dtype,
+                   GenerationDefaults.for_source(source, config), seed=seed, **engine_args)
+
+    @staticmethod
+    def _weights_dir(source: ModelSource, weights) -> Path | None:
+        if str(weights) == "synthetic":
+            return None
+        if str(weights) == "auto":
+            return source.directory if has_checkpoint(source.directory) else None
+        path = Path(weights).expanduser()
+        if not path.is_dir():
+            raise WeightsError(f"weights {str(weights)!r} is not a directory; use auto, synthetic or a checkpoint dir")
+        return path
+
+    def _kv_blocks(self, kv_cache_tokens: int | None, gpu_memory_utilization: float) -> int:
+        bytes_per_block = self.config.kv_bytes_per_token(self.dtype) * self.block_size
+        if kv_cache_tokens is not None:
+            if kv_cache_tokens < 1:
+                raise AnatomyError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
+            return -(-kv_cache_tokens // self.block_size)
+        if self.device.type == "cuda":
+            if not 0 < gpu_memory_utilization <= 1:
+                raise AnatomyError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+            activation_peak = self._measure_activation_peak()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - gpu_memory_utilization) * total - activation_peak
+        else:  # the host: an eighth of available memory, at most 1 GiB (zeroing it costs about a second a GiB)
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(1 << 30, available // 8)
+        blocks = int(budget // bytes_per_block)
+        full = -(-self.max_model_len // self.block_size) * self.max_num_seqs  # never more than all seqs at full context
+        return max(1, min(blocks, full))
+
+    @torch.inference_mode()
+    def _measure_activation_peak(self) -> int:
+        """Peak bytes a prefill of max_num_batched_tokens needs beyond the weights (warm-up run, temporary pool)."""
+        tokens = self.max_num_batched_tokens
+        pool = KVCachePool(self.config, -(-tokens // self.block_size), self.block_size, self.dtype, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        batch = AttentionBatch(pool.k, pool.v, torch.arange(tokens, device=self.device), True,
+                               torch.arange(pool.num_blocks, device=self.device, dtype=torch.int32)[None],
+                               torch.tensor([tokens], device=self.device, dtype=torch.int32), (tokens,), (0,))
+        ids = torch.randint(0, self.config.vocab_size, (tokens,), device=self.device)
+        hidden = self.model(ids, torch.arange(tokens, device=self.device), batch)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del pool, batch, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def sampling_params(self, **kwargs) -> SamplingParams:
+        """SamplingParams with the model's generation defaults for every field left as None."""
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            if kwargs.get(name) is None:
+                kwargs[name] = getattr(self.defaults, name)
+        if kwargs.get("max_tokens") is None:
+            kwargs.pop("max_tokens", None)
+        kwargs["stop"] = tuple([kwargs["stop"]] if isinstance(kwargs.get("stop"), str) else kwargs.get("stop") or ())
+        kwargs["stop_token_ids"] = tuple(kwargs.get("stop_token_ids") or ())
+        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def render_prompt(self, prompt_token_ids=None, prompt: str | None = None, messages=None, *,
+                      enable_thinking: bool = True, tools=None) -> tuple[list[int], str | None]:
+        """Exactly one of token ids, a raw prompt, or chat messages -> (token ids, prompt text)."""
+        given = [x is not None for x in (prompt_token_ids, prompt, messages)]
+        if sum(given) != 1:
+            raise RequestError("give exactly one of prompt_token_ids, prompt or messages", param="prompt")
+        if messages is not None:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                        enable_thinking=enable_thinking, tools=tools)
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise RequestError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
+            return self.tokenizer.encode(prompt), prompt
+        return list(prompt_token_ids), None
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Sequence:
+        """Validate and queue one request; nothing runs until `step`."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token {bad[0]!r} is outside the model's vocabulary (0..{vocab - 1})",
+                               param="prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+                param="max_tokens" if len(ids) < self.max_model_len else "prompt")
+        if self.pool.blocks_for(len(ids) + params.max_tokens) > self.pool.num_blocks:
+            raise RequestError(
+                f"the prompt plus max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the pool holds "
+                f"{self.pool.capacity_tokens}; lower max_tokens or give the KV cache more memory", param="max_tokens")
+        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, BlockTable(self.pool))
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.uses_penalties:
+            seq.output_counts = torch.zeros(vocab, dtype=torch.int32, device=self.device)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One prefill or decode step over the scheduled batch; returns its sequences."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        logits = self.runner.run(seqs, is_prefill)
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                              [s.output_counts for s in seqs]).tolist()
+        for seq, token in zip(seqs, tokens):
+            seq.num_cached = seq.num_tokens
+            self._append_token(seq, token)
+        return seqs
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.output_token_ids.append(token)
+        if seq.output_counts is not None:
+            seq.output_counts[token] += 1
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.defaults.eos_token_ids):
+            seq.text += seq.detokenizer.flush()  # the stop token's own text is not kept
+            self.scheduler.finish(seq, "stop")
+            return
+        before = len(seq.text)
+        seq.text += seq.detokenizer.add(token)
+        if params.stop and self._cut_at_stop(seq, before):
+            self.scheduler.finish(seq, "stop")
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.text += seq.detokenizer.flush()
+            self.scheduler.finish(seq, "length")
+
+    @staticmethod
+    def _cut_at_stop(seq: Sequence, before: int) -> bool:
+        """Cut the text at the first stop string that the new text completes (the stop string is not kept)."""
+        longest = max(len(s) for s in seq.params.stop)
+        window_start = max(0, before - longest + 1)
+        hits = [i for s in seq.params.stop if (i := seq.text.find(s, window_start)) >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[:min(hits)]
+        return True
+
+    def result(self, seq: Sequence, prompt_text: str | None = None) -> GenerationResult:
+        return GenerationResult(seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.text,
+                                seq.finish_reason or "running", prompt_text)
+
+    def generate(self, prompt_token_ids=None, prompt: str | None = None, messages=None, *,
+                 enable_thinking: bool = True, tools=None, **sampling) -> GenerationResult:
+        """Run one request to completion. Sampling fields left as None take the model's generation defaults."""
+        ids, text = self.render_prompt(prompt_token_ids, prompt, messages, enable_thinking=enable_thinking,
+                                       tools=tools)
+        seq = self.add_request(ids, self.sampling_params(**sampling))
+        while not seq.finished:
+            self.step()
+        return self.result(seq, text)
+
+    def generate_many(self, prompts: list[list[int]], **sampling) -> list[GenerationResult]:
+        """Run several token-id prompts together (continuous batching) with the same sampling settings."""
+        params = self.sampling_params(**sampling)
+        seqs = [self.add_request(ids, params) for ids in prompts]
+        while not all(s.finished for s in seqs):
+            self.step()
+        return [self.result(s) for s in seqs]

@@ -1,0 +1,82 @@
+"""Attention over the paged KV cache: store the new K/V in their slots, then attend.
+
+The batch is a flat list of tokens; `AttentionBatch` says which sequence each belongs to and where its
+context lives. Prefill uses SDPA per sequence (GQA through `enable_gqa`, no repeated KV); decode reads
+each sequence's blocks through its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionBatch:
+    k_cache: torch.Tensor  # [layers, blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [tokens] int64: flat slot (block * block_size + offset) of each new token
+    is_prefill: bool
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32, padded with 0 (masked out by context_lens)
+    context_lens: torch.Tensor  # [seqs] int32: tokens of context after this step, new ones included
+    query_lens: tuple[int, ...] = ()  # prefill only: new tokens per sequence, in order
+    prefix_lens: tuple[int, ...] = ()  # prefill only: tokens already cached before this step
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch) -> torch.Tensor:
+    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
+    k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
+    store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    if batch.is_prefill:
+        return prefill_attention(q, k, v, k_cache, v_cache, batch)
+    return decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` cached tokens: [length, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    blocks = block_table[: (length + block_size - 1) // block_size]
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
+    out = torch.empty_like(q)
+    start = 0
+    for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
+        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)
+        if prefix == 0:  # the whole context is new: plain causal attention over the fresh k, v
+            ki = k[start:start + n].transpose(0, 1).unsqueeze(0)
+            vi = v[start:start + n].transpose(0, 1).unsqueeze(0)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+        else:  # new tokens after a cached prefix: attend to all of it, causal from the prefix's end
+            total = prefix + n
+            ki = gather_context(k_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
+            vi = gather_context(v_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
+            key_pos = torch.arange(total, device=q.device)
+            query_pos = torch.arange(prefix, total, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+        out[start:start + n] = oi.squeeze(0).transpose(0, 1)
+        start += n
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens) -> torch.Tensor:
+    """One new token per sequence. Reference path: gather the blocks, mask past each context length.
+
+    The pool is zero-initialised, so padded and stale slots hold finite values that the mask removes.
+    """
+    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, blocks*block_size, head_dim]
+    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    positions = torch.arange(k.shape[2], device=q.device)
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+    return out.squeeze(2)

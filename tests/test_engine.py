@@ -1,0 +1,121 @@
+"""The engine's request handling: validation before work, stop conditions, seeds, generation defaults."""
+
+import json
+
+import pytest
+import torch
+
+from llm_anatomy import Engine
+from llm_anatomy.errors import RequestError
+
+
+@pytest.fixture
+def engine(save_tiny):
+    directory, _ = save_tiny(initializer_range=0.2)
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [500, 501], "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    return Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=512,
+                                  max_model_len=256)
+
+
+def greedy(engine, ids, **kw):
+    kw.setdefault("max_tokens", 24)
+    return engine.generate(prompt_token_ids=ids, temperature=0, ignore_eos=True, **kw)
+
+
+def test_generation_defaults_come_from_generation_config(engine):
+    params = engine.sampling_params()
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 20)
+    assert engine.defaults.eos_token_ids == (500, 501)
+    assert engine.sampling_params(temperature=0).greedy
+
+
+def test_prompt_past_the_context_is_refused_before_work(engine):
+    steps = []
+    engine.runner.run = lambda *a: steps.append(a)
+    with pytest.raises(RequestError, match=r"prompt \(250 tokens\) plus max_tokens \(10\) exceeds the model's "
+                                           r"context of 256 tokens") as info:
+        engine.generate(prompt_token_ids=[1] * 250, max_tokens=10)
+    assert info.value.param == "max_tokens"
+    with pytest.raises(RequestError) as info:
+        engine.generate(prompt_token_ids=[1] * 300, max_tokens=1)
+    assert info.value.param == "prompt"
+    assert not steps and not engine.has_work()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(prompt_token_ids=[]), "the prompt is empty"),
+    (dict(prompt_token_ids=[1, 512]), "prompt token 512 is outside the model's vocabulary"),
+    (dict(prompt_token_ids=[1], prompt="hi"), "exactly one of"),
+    (dict(), "exactly one of"),
+    (dict(prompt=5), "prompt must be a string"),
+    (dict(prompt_token_ids=[1], temperature=-1), "temperature must be >= 0"),
+    (dict(messages=[{"role": "user", "content": "hi"}]), "outside the model's vocabulary"),  # Qwen ids > 512
+])
+def test_bad_requests(engine, kwargs, message):
+    with pytest.raises(RequestError, match=message):
+        engine.generate(**kwargs)
+    assert not engine.has_work()
+
+
+def test_eos_and_stop_token_ids_end_generation(engine):
+    ids = [3, 1, 4, 1, 5]
+    free = greedy(engine, ids)
+    stopper = free.output_token_ids[5]
+    first = free.output_token_ids.index(stopper)
+    out = greedy(engine, ids, stop_token_ids=[stopper])
+    assert out.finish_reason == "stop"
+    assert out.output_token_ids == free.output_token_ids[: first + 1]
+    # EOS from generation_config ends it too, unless ignore_eos
+    engine.defaults = type(engine.defaults)((stopper,))
+    out = engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=24)
+    assert out.finish_reason == "stop" and out.output_token_ids[-1] == stopper
+
+
+def test_stop_strings_cut_the_text(engine):
+    ids = [9, 2, 6, 5]
+    free = greedy(engine, ids, max_tokens=40)
+    text = free.text
+    assert len(text) > 10
+    stop = text[6:9]
+    first = text.find(stop)
+    out = greedy(engine, ids, max_tokens=40, stop=[stop, "never-seen-stop"])
+    assert out.finish_reason == "stop"
+    assert out.text == text[:first]
+    assert len(out.output_token_ids) < 40
+
+
+def test_max_tokens_is_length(engine):
+    out = greedy(engine, [1, 2, 3], max_tokens=7)
+    assert len(out.output_token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_seed_reproduces_and_presence_penalty_avoids_repeats(engine):
+    ids = [7, 7, 7]
+    a = engine.generate(prompt_token_ids=ids, temperature=1.0, top_p=1.0, top_k=0, seed=11, max_tokens=30,
+                        ignore_eos=True)
+    b = engine.generate(prompt_token_ids=ids, temperature=1.0, top_p=1.0, top_k=0, seed=11, max_tokens=30,
+                        ignore_eos=True)
+    c = engine.generate(prompt_token_ids=ids, temperature=1.0, top_p=1.0, top_k=0, seed=12, max_tokens=30,
+                        ignore_eos=True)
+    assert a.output_token_ids == b.output_token_ids != c.output_token_ids
+    plain = greedy(engine, ids, max_tokens=60)
+    assert len(set(plain.output_token_ids)) < 60  # a tiny random model loops
+    penalised = greedy(engine, ids, max_tokens=60, presence_penalty=2.0, frequency_penalty=2.0)
+    assert len(set(penalised.output_token_ids)) >= 58 > len(set(plain.output_token_ids))
+
+
+def test_top_k_one_is_greedy(engine):
+    ids = [4, 4, 2]
+    assert engine.generate(prompt_token_ids=ids, temperature=1.0, top_k=1, max_tokens=20, ignore_eos=True,
+                           seed=3).output_token_ids == greedy(engine, ids, max_tokens=20).output_token_ids
+
+
+def test_abort_frees_blocks(engine):
+    seq = engine.add_request([1, 2, 3], engine.sampling_params(max_tokens=50, temperature=0))
+    engine.step()
+    engine.step()
+    assert engine.pool.num_free_blocks < engine.pool.num_blocks
+    engine.abort(seq)
+    assert seq.finish_reason == "abort" and not engine.has_work()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
