@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from ..models.attention import AttentionBatch
 from ..models.config import ModelConfig, parse_dtype
 from ..models.loader import WeightsInfo, build_model, has_checkpoint, init_synthetic, load_checkpoint
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .events import Observer, Step
 from .kv_cache import BlockTable, KVCachePool
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
@@ -107,7 +109,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool, device)
         self.sampler = Sampler(device, seed)
+        self.observers: list[Observer] = []
         self._ids = itertools.count()
+        self._steps = itertools.count()
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -236,11 +240,18 @@ class Engine:
             seq.output_counts = torch.zeros(vocab, dtype=torch.int32, device=self.device)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.scheduler.add(seq)
+        for o in self.observers:
+            o.on_add(seq, time.perf_counter_ns())
         return seq
 
     def abort(self, seq: Sequence) -> None:
         if not seq.finished:
-            self.scheduler.finish(seq, "abort")
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        for o in self.observers:
+            o.on_finish(seq, time.perf_counter_ns())
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -248,15 +259,38 @@ class Engine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One prefill or decode step over the scheduled batch; returns its sequences."""
+        observers = self.observers
+        t_start = time.perf_counter_ns() if observers else 0
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
+        step = None
+        if observers:
+            step = Step(next(self._steps), is_prefill, seqs, [s.num_tokens - s.num_cached for s in seqs],
+                        [s.num_tokens for s in seqs], t_start, t_launch_ns=time.perf_counter_ns())
+            for o in observers:
+                o.on_launch(step)
         logits = self.runner.run(seqs, is_prefill)
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                              [s.output_counts for s in seqs]).tolist()
+        next_tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                   [s.output_counts for s in seqs])
+        if step is not None:
+            for o in observers:
+                o.on_launched(step)
+        tokens = next_tokens.tolist()
+        if step is not None:
+            step.t_sampled_ns, step.tokens = time.perf_counter_ns(), tokens
         for seq, token in zip(seqs, tokens):
             seq.num_cached = seq.num_tokens
+            t = time.perf_counter_ns() if step is not None else 0
             self._append_token(seq, token)
+            if step is not None:
+                step.detokenize_ns += time.perf_counter_ns() - t
+                if seq.finished:
+                    step.finished.append(seq.request_id)
+        if step is not None:
+            step.t_end_ns = time.perf_counter_ns()
+            for o in observers:
+                o.on_step(step)
         return seqs
 
     def _append_token(self, seq: Sequence, token: int) -> None:
@@ -266,15 +300,15 @@ class Engine:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.defaults.eos_token_ids):
             seq.text += seq.detokenizer.flush()  # the stop token's own text is not kept
-            self.scheduler.finish(seq, "stop")
+            self._finish(seq, "stop")
             return
         before = len(seq.text)
         seq.text += seq.detokenizer.add(token)
         if params.stop and self._cut_at_stop(seq, before):
-            self.scheduler.finish(seq, "stop")
+            self._finish(seq, "stop")
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.text += seq.detokenizer.flush()
-            self.scheduler.finish(seq, "length")
+            self._finish(seq, "length")
 
     @staticmethod
     def _cut_at_stop(seq: Sequence, before: int) -> bool:

@@ -1,0 +1,299 @@
+"""The Anatomy record: everything measured about one call, as one dataclass tree.
+
+Every command writes and reads this record (the CLI report, the HTML and trace files, the server's
+per-call endpoints, sweeps). It serialises to JSON with `schema_version`; docs/anatomy.md documents it.
+Times are milliseconds since the call began (`started_at_unix` is that instant on the wall clock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin, get_type_hints
+
+SCHEMA_VERSION = "1.0"
+
+# How the field defines the latency metrics (after vLLM's benchmarks/serve.py); kept in every record.
+METRIC_DEFINITIONS = {
+    "ttft_ms": "time to first token: from the call's start (request received) to the first output token "
+               "being available on the host; includes parsing, template, tokenization, queueing and prefill",
+    "tpot_ms": "time per output token: (e2e - ttft) / (output tokens - 1), vLLM's TPOT (AIPerf calls it ITL)",
+    "itl_ms": "inter-token latencies: the gaps between consecutive output tokens after the first (vLLM's ITL)",
+    "e2e_ms": "end to end: from the call's start to the last token detokenized",
+}
+
+
+@dataclass
+class Phase:
+    name: str  # parse | template | tokenize | queue | prefill | decode | detokenize | e2e
+    start_ms: float
+    end_ms: float
+    note: str = ""
+
+
+@dataclass
+class Bound:
+    kind: str  # "compute" | "memory" | "overhead"
+    why: str
+
+
+@dataclass
+class Roofline:
+    """Achieved rates against the ceilings: measured on this device, and the datasheet's."""
+
+    flops: float
+    bytes: float
+    arithmetic_intensity: float  # FLOP per byte
+    achieved_tflops: float
+    achieved_gbps: float
+    mfu: float | None  # vs measured matmul ceiling
+    mbu: float | None  # vs measured read bandwidth
+    mfu_datasheet: float | None
+    mbu_datasheet: float | None
+    bound: Bound
+
+
+@dataclass
+class PrefillRecord:
+    tokens: int
+    ms: float  # GPU time of the forward (device events), or host time where there is no GPU
+    host_ms: float  # host wall time of the whole step (prepare, launch, sample, sync)
+    start_ms: float
+    flops: float
+    bytes: float
+    mfu: float | None
+    mbu: float | None
+    roofline: Roofline
+    cost_breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class DecodeStep:
+    index: int  # 1 for the step that produced the second output token
+    start_ms: float
+    end_ms: float  # when the token was on the host and detokenized
+    gpu_ms: float
+    host_ms: float
+    context_len: int  # tokens attended to (this request), new token included
+    batch_size: int
+    token_id: int
+    token_text: str
+    flops: float
+    bytes: float
+    kv_bytes_read: float
+    mbu: float | None
+    mfu: float | None
+    bound: str
+    others: list[str] = field(default_factory=list)  # other requests in the same step
+
+
+@dataclass
+class DecodeSummary:
+    steps: int
+    gpu_ms_median: float
+    host_ms_median: float
+    itl_ms_median: float
+    itl_ms_p90: float
+    tokens_per_s: float
+    bytes_per_step_median: float
+    kv_share_of_bytes: float  # fraction of a median step's bytes that are KV reads
+    roofline: Roofline | None
+
+
+@dataclass
+class KVCacheRecord:
+    bytes_per_token: int
+    formula: str
+    dtype: str
+    block_size: int
+    pool_blocks: int
+    pool_bytes: int
+    pool_share_of_device: float | None
+    blocks_allocated: int  # by this request at its end
+    tokens: int  # positions cached at its end
+    bytes_used: int  # tokens x bytes_per_token
+    bytes_allocated: int  # blocks x block bytes
+    bytes_after_step: list[int] = field(default_factory=list)  # used bytes after prefill and each decode step
+    fits_sequences_this_length: int = 0  # in the memory left (pool free + device free)
+    fits_sequences_full_context: int = 0
+    full_context: int = 0
+
+
+@dataclass
+class MemoryCensus:
+    """A snapshot that sums to the device total: each byte is in exactly one row."""
+
+    total: int
+    weights: int
+    kv_pool: int
+    cuda_graphs: int
+    other_allocated: int  # tensors torch holds besides the above (buffers, workspaces)
+    allocator_free: int  # reserved by the caching allocator, not in use
+    context_and_other: int  # used by the device (NVML) beyond torch's reservation: CUDA context, libraries
+    free: int
+    activation_peak: int | None  # transient: peak allocated above the resident tensors during the call (None: not measured)
+    source: str  # how it was measured
+
+
+@dataclass
+class GpuSample:
+    t_ms: float
+    power_w: float | None
+    energy_j: float | None  # the device's total-energy counter, relative to the call's start
+    sm_clock_mhz: int | None
+    mem_clock_mhz: int | None
+    gpu_util: int | None
+    mem_util: int | None
+    mem_used: int | None
+    temperature_c: int | None
+    throttle: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EnergyRecord:
+    phase: str
+    joules: float
+    uncertainty_j: float
+    per_token_j: float | None
+    method: str
+
+
+@dataclass
+class Telemetry:
+    available: bool
+    note: str  # why not, or how it was sampled
+    sample_hz: float = 0.0
+    counter_update_ms: float | None = None  # observed update interval of the energy counter
+    energy: list[EnergyRecord] = field(default_factory=list)
+
+
+@dataclass
+class Ceilings:
+    device: str
+    read_gbps: float | None  # measured
+    gemv_gbps: float | None
+    matmul_tflops: float | None
+    datasheet_gbps: float | None
+    datasheet_tflops: float | None
+    datasheet_source: str = ""
+    measured_at: str = ""  # date of the calibration, or "" if not calibrated
+
+    @property
+    def ridge(self) -> float | None:
+        """FLOP per byte above which work is compute-bound (measured ceilings, else the datasheet's)."""
+        tflops = self.matmul_tflops or self.datasheet_tflops
+        gbps = self.read_gbps or self.datasheet_gbps
+        return tflops * 1e12 / (gbps * 1e9) if tflops and gbps else None
+
+
+@dataclass
+class KernelCategory:
+    category: str
+    ms: float
+    count: int
+
+
+@dataclass
+class KernelBreakdown:
+    phase: str  # prefill | decode (over `steps` steps)
+    steps: int
+    total_ms: float
+    categories: list[KernelCategory] = field(default_factory=list)
+    top_kernels: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class ModelRecord:
+    name: str
+    config: dict  # HF config.json field names
+    dtype: str
+    parameters: int
+    weight_bytes: int
+
+
+@dataclass
+class WeightsRecord:
+    kind: str  # checkpoint | synthetic
+    source: str
+    label: str
+    seed: int | None = None
+
+
+@dataclass
+class DeviceRecord:
+    name: str
+    type: str  # cuda | cpu
+    total_memory: int
+    why: str  # why this device (asked for, default...)
+    torch: str = ""
+    cuda: str | None = None
+    driver: str | None = None
+
+
+@dataclass
+class Anatomy:
+    model: ModelRecord
+    weights: WeightsRecord
+    device: DeviceRecord
+    request: dict  # what was asked: messages or prompt, sampling values
+    prompt_text: str | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str
+    phases: list[Phase]
+    ttft_ms: float
+    tpot_ms: float | None
+    itl_ms: list[float]
+    e2e_ms: float
+    prefill: PrefillRecord
+    decode_steps: list[DecodeStep]
+    decode: DecodeSummary | None
+    kv_cache: KVCacheRecord
+    memory: MemoryCensus
+    ceilings: Ceilings
+    telemetry: Telemetry
+    gpu_samples: list[GpuSample]  # telemetry samples (empty when telemetry.available is false)
+    host_ms: dict[str, float] = field(default_factory=dict)  # host work summed over the call's steps
+    kernels: list[KernelBreakdown] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    id: str = ""
+    started_at_unix: float = 0.0
+    tool_version: str = ""
+    definitions: dict[str, str] = field(default_factory=lambda: dict(METRIC_DEFINITIONS))
+    schema_version: str = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Anatomy":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"anatomy schema_version {version!r} is not {SCHEMA_VERSION!r}; re-run the call")
+        return _build(cls, data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Anatomy":
+        return cls.from_dict(json.loads(text))
+
+
+def _build(tp, value):
+    """Rebuild dataclasses (nested, in lists, optional) from plain JSON values."""
+    if value is None:
+        return None
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        hints = get_type_hints(tp)
+        return tp(**{f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(tp) if f.name in value})
+    if origin is list:
+        (item,) = get_args(tp)
+        return [_build(item, v) for v in value]
+    if origin is not None and type(None) in get_args(tp):  # X | None
+        (inner,) = [a for a in get_args(tp) if a is not type(None)]
+        return _build(inner, value)
+    return value

@@ -1,0 +1,205 @@
+"""The commands: call (one measured chat completion), calibrate (this device's ceilings), report (re-render)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import AnatomyError, RequestError
+
+DEFAULT_PROMPT = "Explain in one paragraph what a KV cache is and why it makes decoding fast."
+GPU_DEFAULT_MODEL = "Qwen/Qwen3-8B"
+CPU_DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help=f"hub id, preset or checkpoint dir (default: {GPU_DEFAULT_MODEL} on a CUDA GPU, "
+                                   f"{CPU_DEFAULT_MODEL} without one)")
+    p.add_argument("--weights", default="auto", help="auto (real if found locally, else synthetic), synthetic, or DIR")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if there is one)")
+    p.add_argument("--dtype", help="bfloat16, float16 or float32 (default: the model's, bfloat16 for Qwen3)")
+    p.add_argument("--kv-cache-tokens", type=int, help="size the KV pool for this many tokens (default: from "
+                                                          "free memory on a GPU, 1 GiB on the host)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-anatomy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    call = sub.add_parser("call", help="run one chat completion and show what happened inside it")
+    call.add_argument("prompt", nargs="?", help=f"the user message (default: {DEFAULT_PROMPT!r})")
+    call.add_argument("--messages", type=Path, help="a JSON file with a list of {role, content} messages")
+    call.add_argument("--system", help="a system message to put first")
+    call.add_argument("--raw-prompt", action="store_true", help="send PROMPT as is, without the chat template")
+    call.add_argument("--no-thinking", action="store_true", help="enable_thinking=False in the chat template")
+    _add_model_args(call)
+    s = call.add_argument_group("sampling (unset values take the model's generation_config.json)")
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--min-p", type=float)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--seed", type=int)
+    s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="keep going past EOS (for benchmarks)")
+    o = call.add_argument_group("output")
+    o.add_argument("--json", type=Path, help="write the Anatomy record (docs/anatomy.md)")
+    o.add_argument("--html", type=Path, help="write a self-contained HTML report")
+    o.add_argument("--trace", type=Path, help="write a Perfetto / Chrome trace")
+    o.add_argument("--kernels", action="store_true", help="profile kernels over a replay of prefill + 8 decode steps")
+    o.add_argument("--no-telemetry", action="store_true", help="do not sample GPU counters")
+    o.add_argument("--no-calibrate", action="store_true",
+                   help="do not measure this device's ceilings if none are cached (datasheet only)")
+    o.add_argument("--quiet", action="store_true", help="no terminal report")
+
+    cal = sub.add_parser("calibrate", help="measure this device's bandwidth and matmul ceilings, and cache them")
+    cal.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if there is one)")
+    cal.add_argument("--quick", action="store_true", help="smaller buffers, fewer repeats")
+
+    rep = sub.add_parser("report", help="show a saved Anatomy JSON again, or turn it into HTML / a trace")
+    rep.add_argument("anatomy", type=Path)
+    rep.add_argument("--html", type=Path)
+    rep.add_argument("--trace", type=Path)
+    rep.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def _messages(args) -> list[dict] | None:
+    """The request's messages, validated before any model is loaded."""
+    from .tokenizer import validate_messages
+
+    if args.raw_prompt:
+        if args.messages or args.system:
+            raise RequestError("--raw-prompt sends PROMPT as is: it cannot be combined with --messages or --system")
+        return None
+    if args.messages:
+        try:
+            messages = json.loads(args.messages.read_text())
+        except OSError as e:
+            raise RequestError(f"cannot read --messages {args.messages}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise RequestError(f"--messages {args.messages} is not valid JSON: {e}") from None
+        if args.prompt:
+            messages = [*messages, {"role": "user", "content": args.prompt}] if isinstance(messages, list) else messages
+    else:
+        messages = [{"role": "user", "content": args.prompt or DEFAULT_PROMPT}]
+    if args.system:
+        messages = [{"role": "system", "content": args.system}, *messages] if isinstance(messages, list) else messages
+    return validate_messages(messages)
+
+
+def _sampling(args) -> dict:
+    from .engine.sampling import SamplingParams
+
+    given = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                 min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                 seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    given = {k: v for k, v in given.items() if v is not None}
+    SamplingParams(**given)  # refuse bad values now, before the model loads
+    return given
+
+
+def cmd_call(args) -> int:
+    from .engine.engine import Engine, parse_device
+    from .hub import resolve
+    from .models.config import ModelConfig
+    from .probe.call import CallRequest, measure_call
+    from .probe.ceilings import datasheet_ceilings, load_or_calibrate
+    from .tokenizer import Tokenizer
+
+    messages = _messages(args)
+    sampling = _sampling(args)
+    device = parse_device(args.device)
+    why = f"asked for (--device {args.device})" if args.device else (
+        "default: a CUDA GPU was found" if device.type == "cuda" else "default: no CUDA GPU on this machine")
+    model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
+
+    # Pre-flight on the config and tokenizer alone: a prompt past the context fails before any weights load.
+    source = resolve(model)
+    config = ModelConfig.from_hf(source.config)
+    tokenizer = Tokenizer.from_pretrained(source.directory or source.name)
+    prompt_text = (args.prompt or DEFAULT_PROMPT) if messages is None else \
+        tokenizer.apply_chat_template(messages, enable_thinking=not args.no_thinking)
+    n_prompt = len(tokenizer.encode(prompt_text))
+    if n_prompt + args.max_tokens > config.max_position_embeddings:
+        raise RequestError(f"the prompt ({n_prompt} tokens) plus --max-tokens ({args.max_tokens}) exceeds the "
+                           f"context of {model} ({config.max_position_embeddings} tokens)")
+
+    kv_tokens = args.kv_cache_tokens
+    if kv_tokens is None and device.type == "cpu":
+        kv_tokens = n_prompt + args.max_tokens  # one request: the pool it needs, no more to zero
+    engine = Engine.from_pretrained(model, device=device, dtype=args.dtype, weights=args.weights,
+                                    kv_cache_tokens=kv_tokens)
+    ceilings = datasheet_ceilings(device) if args.no_calibrate else load_or_calibrate(device, quick=True)
+    request = CallRequest(messages=messages, prompt=prompt_text if messages is None else None,
+                          enable_thinking=not args.no_thinking, sampling=sampling)
+    result, anatomy = measure_call(engine, request, ceilings, device_why=why, use_telemetry=not args.no_telemetry)
+    if args.kernels:
+        from .probe.kernels import profile_kernels
+
+        anatomy.kernels = profile_kernels(engine, result.prompt_token_ids, sampling)
+    _write_outputs(anatomy, args)
+    return 0
+
+
+def _write_outputs(anatomy, args) -> None:
+    if getattr(args, "json", None):
+        args.json.write_text(anatomy.to_json(indent=1))
+    if args.html:
+        from .report.html import write_html
+
+        write_html(anatomy, args.html)
+    if args.trace:
+        from .report.trace import write_trace
+
+        write_trace(anatomy, args.trace)
+    if not args.quiet:
+        from .report.terminal import render
+
+        render(anatomy)
+    for what in ("json", "html", "trace"):
+        if getattr(args, what, None):
+            print(f"wrote {what}: {getattr(args, what)}", file=sys.stderr)
+
+
+def cmd_calibrate(args) -> int:
+    from .engine.engine import parse_device
+    from .probe.ceilings import format_ceilings, load_or_calibrate
+
+    device = parse_device(args.device)
+    print(format_ceilings(load_or_calibrate(device, recalibrate=True, quick=args.quick)))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .anatomy import Anatomy
+
+    try:
+        anatomy = Anatomy.from_json(args.anatomy.read_text())
+    except OSError as e:
+        raise AnatomyError(f"cannot read {args.anatomy}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise AnatomyError(f"{args.anatomy} is not an Anatomy JSON: {e}") from None
+    _write_outputs(anatomy, args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    try:
+        return {"call": cmd_call, "calibrate": cmd_calibrate, "report": cmd_report}[args.command](args)
+    except AnatomyError as e:
+        print(f"llm-anatomy: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""One measured call: template, tokenize, queue, prefill, decode, detokenize, on one clock -> an Anatomy."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import __version__
+from ..anatomy import Anatomy, DeviceRecord, ModelRecord, Phase, WeightsRecord
+from ..engine.engine import Engine, GenerationResult
+from ..anatomy import Ceilings
+from .ceilings import device_name
+from .clock import Clock
+from .memory import census
+from .recorder import (RequestRecorder, decode_records, decode_summary, kv_record, prefill_record, telemetry)
+from .telemetry import GpuTelemetry, nvml_status
+from ..tokenizer import validate_messages
+
+
+@dataclass
+class CallRequest:
+    """What the user asked: exactly one of messages, prompt (raw text, no template) or prompt_token_ids."""
+
+    messages: list | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    enable_thinking: bool = True
+    tools: list | None = None
+    sampling: dict = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        shown = {k: v for k, v in (("messages", self.messages), ("prompt", self.prompt),
+                                   ("prompt_token_ids", self.prompt_token_ids), ("tools", self.tools)) if v is not None}
+        return {**shown, "enable_thinking": self.enable_thinking, "sampling": dict(self.sampling)}
+
+
+def device_record(engine: Engine, why: str) -> DeviceRecord:
+    dev = engine.device
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        driver = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:
+            pass
+        return DeviceRecord(props.name, "cuda", props.total_memory, why, torch.__version__, torch.version.cuda, driver)
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return DeviceRecord(f"{device_name(dev)} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)", "cpu",
+                        total, why, torch.__version__)
+
+
+def token_text(engine: Engine):
+    def text(token: int) -> str:
+        try:
+            return engine.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+        except ValueError:
+            return ""
+    return text
+
+
+def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_start_ns: int | None = None,
+                 device_why: str = "", telemetry_hz: float = 100.0, use_telemetry: bool = True,
+                 graph_bytes: int = 0) -> tuple[GenerationResult, Anatomy]:
+    """Run the request alone on the engine and measure it. `t_start_ns` is when the call was received
+    (parsing happened between then and now); by default, now."""
+    t_parse_start = t_start_ns if t_start_ns is not None else time.perf_counter_ns()
+    available, note = nvml_status(engine.device) if use_telemetry else (False, "telemetry turned off")
+    sampler = GpuTelemetry(engine.device, telemetry_hz) if available else None
+    if sampler is not None:
+        sampler.start()  # before the clock starts: the sampler's start-up is not part of the call
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+        resident = torch.cuda.memory_allocated(engine.device)
+    clock = Clock(engine.device, t0_ns=t_parse_start)
+    recorder = RequestRecorder(clock)
+    engine.observers.append(recorder)
+    try:
+        if request.messages is not None:
+            validate_messages(request.messages)
+        params = engine.sampling_params(**request.sampling)
+        t_template = clock.now_ns()
+        prompt_text = None
+        if request.messages is not None:
+            prompt_text = engine.tokenizer.apply_chat_template(request.messages, enable_thinking=request.enable_thinking,
+                                                               tools=request.tools)
+        elif request.prompt is not None:
+            prompt_text = request.prompt
+        t_tokenize = clock.now_ns()
+        ids, _ = engine.render_prompt(request.prompt_token_ids, prompt_text)
+        t_queue = clock.now_ns()
+        seq = engine.add_request(ids, params)
+        while not seq.finished:
+            engine.step()
+        t_end = clock.now_ns()
+    finally:
+        engine.observers.remove(recorder)
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+        activation_peak = torch.cuda.max_memory_allocated(engine.device) - resident
+    else:
+        activation_peak = None
+    samples = sampler.stop() if sampler is not None else []
+    result = engine.result(seq, prompt_text)
+    return result, build_anatomy(engine, request, result, recorder, clock, ceilings, samples, available, note,
+                                 telemetry_hz, device_why, activation_peak, graph_bytes,
+                                 (t_parse_start, t_template, t_tokenize, t_queue, t_end), seq)
+
+
+def build_anatomy(engine: Engine, request: CallRequest, result: GenerationResult, rec: RequestRecorder, clock: Clock,
+                  ceilings: Ceilings, samples, telemetry_available: bool, telemetry_note: str, hz: float,
+                  device_why: str, activation_peak, graph_bytes: int, marks: tuple, seq) -> Anatomy:
+    t_parse, t_template, t_tokenize, t_queue, t_end = (clock.ms(t) for t in marks)
+    prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
+    prefill = prefill_record(rec, prefill_step, engine, ceilings)
+    steps, costs, _ = decode_records(rec, decode_steps_raw, engine, ceilings, token_text(engine))
+    token_times = [clock.ms(r.step.t_end_ns) for r in rec.steps]
+    ttft = token_times[0]
+    e2e = t_end
+    n_out = len(result.output_token_ids)
+    itl = [b - a for a, b in zip(token_times, token_times[1:])]
+    tpot = (token_times[-1] - ttft) / (n_out - 1) if n_out > 1 else None
+    prefill_start = clock.ms(prefill_step.step.t_start_ns)
+    phases = [
+        Phase("parse", t_parse, t_template, "validating the request and its sampling values"),
+        Phase("template", t_template, t_tokenize, "chat template (jinja2)" if request.messages else "no template"),
+        Phase("tokenize", t_tokenize, t_queue, f"{len(result.prompt_token_ids)} prompt tokens"),
+        Phase("queue", t_queue, prefill_start, "waiting to be scheduled"),
+        Phase("prefill", prefill_start, ttft, f"{prefill.tokens} tokens, first token sampled and detokenized"),
+    ]
+    if decode_steps_raw:
+        phases.append(Phase("decode", clock.ms(decode_steps_raw[0].step.t_start_ns), token_times[-1],
+                            f"{len(steps)} steps, one token each"))
+    phases.append(Phase("e2e", 0.0, e2e, "the whole call"))
+    detokenize_ms = sum(r.step.detokenize_ns for r in rec.steps) / 1e6
+    spans = {"prefill": (prefill_start, ttft, prefill.tokens)}
+    if steps:
+        spans["decode"] = (steps[0].start_ms, steps[-1].end_ms, len(steps))
+    spans["call"] = (0.0, e2e, n_out)
+    tele, gpu_samples = telemetry(samples, clock, telemetry_available, telemetry_note, hz, spans)
+    kv = kv_record(engine, rec, seq)
+    memory = census(engine.device, engine.weights.bytes, engine.pool.total_bytes, graph_bytes, activation_peak)
+    config = engine.config
+    notes = []
+    if engine.weights.kind == "synthetic":
+        notes.append("Synthetic random weights: timings, memory, bytes and energy are those of the real model; "
+                     "the text is not.")
+    return Anatomy(
+        id=uuid.uuid4().hex[:16], started_at_unix=time.time() - (time.perf_counter_ns() - clock.t0_ns) / 1e9,
+        tool_version=__version__,
+        model=ModelRecord(engine.source.name, config.to_hf(), str(engine.dtype).split(".")[-1],
+                          engine.weights.num_parameters, engine.weights.bytes),
+        weights=WeightsRecord(engine.weights.kind, engine.weights.source, engine.weights.label, engine.weights.seed),
+        device=device_record(engine, device_why),
+        request=request.describe(), prompt_text=result.prompt_text, prompt_token_ids=result.prompt_token_ids,
+        output_token_ids=result.output_token_ids, text=result.text, finish_reason=result.finish_reason,
+        phases=phases, ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
+        prefill=prefill, decode_steps=steps, decode=decode_summary(steps, costs, itl, ceilings), kv_cache=kv,
+        memory=memory, ceilings=ceilings, telemetry=tele, gpu_samples=gpu_samples,
+        host_ms={"detokenize": detokenize_ms,
+                 "schedule_and_prepare": sum((r.step.t_launch_ns - r.step.t_start_ns) for r in rec.steps) / 1e6,
+                 "wait_for_device": sum((r.step.t_sampled_ns - r.step.t_launch_ns) for r in rec.steps) / 1e6},
+        notes=notes,
+    )
+

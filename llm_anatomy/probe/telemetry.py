@@ -1,0 +1,135 @@
+"""GPU counters through NVML (nvidia-ml-py), sampled in a separate process.
+
+A separate process, not a thread: a Python thread polling ~10 NVML calls at 100 Hz would contend for the
+engine's GIL and slow the very decode steps it watches. Timestamps are time.perf_counter_ns(), which is
+CLOCK_MONOTONIC on Linux and so shared with the engine's clock across processes.
+
+This module must not import torch at the top: the sampler process imports it and should start fast.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+
+THROTTLE_REASONS = {  # nvmlClocksEventReason* bits
+    0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x10: "sync_boost",
+    0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clocks",
+}
+
+
+@dataclass(frozen=True)
+class RawSample:
+    t_ns: int
+    power_mw: int | None
+    energy_mj: int | None
+    sm_mhz: int | None
+    mem_mhz: int | None
+    gpu_util: int | None
+    mem_util: int | None
+    mem_used: int | None
+    temperature_c: int | None
+    throttle_mask: int | None
+
+    @property
+    def throttle(self) -> list[str]:
+        mask = self.throttle_mask or 0
+        return [name for bit, name in THROTTLE_REASONS.items() if mask & bit]
+
+
+def _read(nvml, handle) -> RawSample:
+    def get(fn, *args):
+        try:
+            return fn(handle, *args)
+        except nvml.NVMLError:
+            return None
+
+    util = get(nvml.nvmlDeviceGetUtilizationRates)
+    memory = get(nvml.nvmlDeviceGetMemoryInfo)
+    reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+        nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    return RawSample(
+        time.perf_counter_ns(),
+        get(nvml.nvmlDeviceGetPowerUsage),
+        get(nvml.nvmlDeviceGetTotalEnergyConsumption),
+        get(nvml.nvmlDeviceGetClockInfo, nvml.NVML_CLOCK_SM),
+        get(nvml.nvmlDeviceGetClockInfo, nvml.NVML_CLOCK_MEM),
+        util.gpu if util else None, util.memory if util else None,
+        memory.used if memory else None,
+        get(nvml.nvmlDeviceGetTemperature, nvml.NVML_TEMPERATURE_GPU),
+        get(reasons),
+    )
+
+
+def _open(nvml, uuid: str | None, index: int):
+    if uuid:
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        except nvml.NVMLError:
+            pass
+    return nvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def _sampler_main(conn, uuid: str | None, index: int, interval_s: float) -> None:
+    import pynvml as nvml
+
+    nvml.nvmlInit()
+    handle = _open(nvml, uuid, index)
+    samples = [_read(nvml, handle)]
+    conn.send("ready")
+    next_t = time.perf_counter()
+    while not conn.poll():
+        next_t += interval_s
+        time.sleep(max(0.0, next_t - time.perf_counter()))
+        samples.append(_read(nvml, handle))
+    conn.send(samples)
+    nvml.nvmlShutdown()
+
+
+def nvml_status(device) -> tuple[bool, str]:
+    """Whether NVML can watch this torch device, and if not, why (said in the report instead of zeros)."""
+    if device.type != "cuda":
+        return False, f"no GPU counters: the call ran on the {device.type}, which NVML does not see"
+    try:
+        import pynvml as nvml
+
+        nvml.nvmlInit()
+        nvml.nvmlShutdown()
+    except Exception as e:  # ImportError, NVMLError_LibraryNotFound, driver mismatch...
+        return False, f"no GPU counters: NVML is not available ({type(e).__name__}: {e})"
+    return True, ""
+
+
+class GpuTelemetry:
+    """Samples one GPU at `hz` from start() to stop(), in a child process."""
+
+    def __init__(self, device, hz: float = 100.0):
+        import torch
+
+        self.hz = hz
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(self.index)
+        uuid = str(getattr(props, "uuid", "") or "")
+        self.uuid = f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else (uuid or None)
+        self._process = None
+        self._conn = None
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_sampler_main, args=(child, self.uuid, self.index, 1.0 / self.hz),
+                                    daemon=True, name="llm-anatomy-nvml")
+        self._process.start()
+        if not self._conn.poll(60) or self._conn.recv() != "ready":
+            self._process.kill()
+            raise RuntimeError("the NVML sampler process did not start")
+
+    def stop(self) -> list[RawSample]:
+        if self._process is None:
+            return []
+        self._conn.send("stop")
+        samples = self._conn.recv() if self._conn.poll(30) else []
+        self._process.join(5)
+        self._process = None
+        return samples
