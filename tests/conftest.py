@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # The Triton kernels run under Triton's interpreter on the CPU; set before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -15,7 +15,9 @@ from ..errors import AnatomyError, RequestError, WeightsError
 from ..hub import ModelSource, presets, read_json, resolve
 from ..models.attention import AttentionBatch
 from ..models.config import ModelConfig, parse_dtype
+from ..kernels import use_kernels
 from ..models.loader import WeightsInfo, build_model, has_checkpoint, init_synthetic, load_checkpoint
+from ..models.qwen3 import enable_fast_path
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .events import Observer, Step
 from .kv_cache import BlockTable, KVCachePool
@@ -88,7 +90,8 @@ class Engine:
                  device: torch.device, dtype: torch.dtype, defaults: GenerationDefaults, *,
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16, seed: int | None = None):
+                 max_num_batched_tokens: int | None = None, block_size: int = 16, seed: int | None = None,
+                 fast_path: bool | None = None, cuda_graphs: bool = True):
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -104,10 +107,17 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens or min(self.max_model_len, 8192)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        # The fused Triton kernels and decode CUDA graphs: on by default on CUDA; the PyTorch path elsewhere.
+        self.fast_path = use_kernels(device) and device.type == "cuda" if fast_path is None else fast_path
+        if self.fast_path and not use_kernels(device):
+            raise AnatomyError("fast_path needs Triton and a CUDA device")
+        enable_fast_path(model, self.fast_path)
         blocks = self._kv_blocks(kv_cache_tokens, gpu_memory_utilization)
         self.pool = KVCachePool(config, blocks, block_size, dtype, device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool, device)
+        if cuda_graphs and device.type == "cuda":
+            self.runner.capture(max_num_seqs, self.max_model_len)
         self.sampler = Sampler(device, seed)
         self.observers: list[Observer] = []
         self._ids = itertools.count()

@@ -1,6 +1,14 @@
-"""Turns a scheduled batch into tensors, runs the network and returns the logits of each sequence's last token."""
+"""Turns a scheduled batch into tensors, runs the network and returns the logits of each sequence's last token.
+
+On CUDA, decode steps replay CUDA graphs: one per batch-size bucket, captured once at start-up over fixed
+input buffers (sharing one memory pool), so a step is a handful of small copies and one launch instead of
+hundreds of kernel launches from Python. Rows past the batch in a bucket are padding: slot -1 (nothing is
+stored) and context 0 (nothing is read).
+"""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -9,12 +17,17 @@ from ..models.qwen3 import Qwen3ForCausalLM
 from .kv_cache import KVCachePool
 from .scheduler import Sequence
 
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, pool: KVCachePool, device: torch.device):
         self.model = model
         self.pool = pool
         self.device = device
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_bytes = 0
+        self.capture_seconds = 0.0
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -48,6 +61,79 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Forward the batch, write its K/V, and return float32 logits [len(seqs), vocab]."""
+        if not is_prefill and self.graphs and len(seqs) <= self.max_graph_batch:
+            return self._replay(seqs)
         input_ids, positions, batch, last = self.prepare(seqs, is_prefill)
         hidden = self.model(input_ids, positions, batch)
         return self.model.compute_logits(hidden[last] if is_prefill else hidden)
+
+    # ---- CUDA graphs for decode ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, max_batch: int, max_model_len: int) -> None:
+        """Capture one decode graph per batch bucket up to max_batch (largest first, so smaller ones reuse
+        its memory). Warm-up runs before each capture compile and tune the kernels outside the graph."""
+        start = time.perf_counter()
+        sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch})
+        self.max_graph_batch = sizes[-1]
+        width = self.pool.blocks_for(max_model_len)
+        n = self.max_graph_batch
+        dev = self.device
+        self.static_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.static_pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.static_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.static_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.static_tables = torch.zeros(n, width, dtype=torch.int32, device=dev)
+        self._stage = torch.zeros(3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
+        self._stage_lens = torch.zeros(n, dtype=torch.int32).pin_memory()
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        mempool = None
+        for b in reversed(sizes):
+            batch = AttentionBatch(self.pool.k, self.pool.v, self.static_slots[:b], False, self.static_tables[:b],
+                                   self.static_lens[:b])
+
+            def forward(b=b, batch=batch):
+                hidden = self.model(self.static_ids[:b], self.static_pos[:b], batch)
+                return self.model.compute_logits(hidden)
+
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    forward()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                logits = forward()
+            mempool = mempool or graph.pool()
+            self.graphs[b] = (graph, logits)
+        torch.cuda.synchronize(dev)
+        self.graph_bytes = torch.cuda.memory_allocated(dev) - before
+        self.capture_seconds = time.perf_counter() - start
+
+    def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
+        n = len(seqs)
+        b = next(size for size in sorted(self.graphs) if size >= n)
+        stage, lens = self._stage, self._stage_lens
+        stage[:, n:b] = 0
+        stage[2, n:b] = -1
+        lens[n:b] = 0
+        width = 0
+        for i, seq in enumerate(seqs):
+            pos = seq.num_tokens - 1
+            stage[0, i] = seq.last_token
+            stage[1, i] = pos
+            stage[2, i] = seq.block_table.slots(pos, pos + 1)[0]
+            lens[i] = seq.num_tokens
+            width = max(width, len(seq.block_table.blocks))
+        tables = torch.zeros(n, width, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table.blocks)] = torch.tensor(seq.block_table.blocks, dtype=torch.int32)
+        self.static_ids[:b].copy_(stage[0, :b], non_blocking=True)
+        self.static_pos[:b].copy_(stage[1, :b], non_blocking=True)
+        self.static_slots[:b].copy_(stage[2, :b], non_blocking=True)
+        self.static_lens[:b].copy_(lens[:b], non_blocking=True)
+        self.static_tables[:n, :width].copy_(tables)
+        graph, logits = self.graphs[b]
+        graph.replay()
+        return logits[:n]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass
@@ -47,7 +48,20 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return cache[blocks].flatten(0, 1)[:length]
 
 
+# On the GPU, cuDNN's fused attention runs causal prefill about twice as fast as the flash backend on an
+# H200 (benchmarks/results/2026-11-29_probe_sdpa.json); the others are fallbacks for shapes it refuses.
+GPU_PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH]
+
+
 def prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
+    if q.is_cuda:
+        with sdpa_kernel(GPU_PREFILL_BACKENDS, set_priority=True):
+            return _prefill_attention(q, k, v, k_cache, v_cache, batch)
+    return _prefill_attention(q, k, v, k_cache, v_cache, batch)
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
     out = torch.empty_like(q)
     start = 0
     for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):

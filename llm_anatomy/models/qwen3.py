@@ -11,8 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionBatch, attend
+from .attention import AttentionBatch, attend, prefill_attention
 from .config import ModelConfig
+
+try:  # the fast path's kernels; without Triton the model runs the PyTorch path only
+    from ..kernels import gemv, norm
+    from ..kernels.activation import silu_mul
+    from ..kernels.decode_attention import paged_decode_attention
+    from ..kernels.rope import qk_norm_rope_store
+except ImportError:
+    pass
 
 # HF name -> (our fused parameter, shard index). Shard sizes come from the config (see packed_shards).
 PACKED_MODULES = {
@@ -29,19 +37,43 @@ def packed_shards(config: ModelConfig) -> dict[str, list[int]]:
     }
 
 
-class RMSNorm(nn.Module):
+class FastPath:
+    """Modules with a fused-kernel path (Triton, CUDA): `enable_fast_path` turns it on for a whole model."""
+
+    fast = False
+
+
+def enable_fast_path(model: nn.Module, on: bool = True) -> None:
+    for m in model.modules():
+        if isinstance(m, FastPath):
+            m.fast = on
+
+
+def linear(x: torch.Tensor, layer: nn.Linear, fast: bool) -> torch.Tensor:
+    """A linear layer; on the fast path a skinny product (decode) runs the bandwidth-tuned GEMV kernel."""
+    if fast and gemv.supports(x, layer.weight):
+        y = gemv.gemv(x, layer.weight)
+        return y if layer.bias is None else y + layer.bias
+    return layer(x)
+
+
+class RMSNorm(nn.Module, FastPath):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            return norm.rmsnorm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add (in the model dtype, as HF does) followed by the norm: returns (normed, new residual)."""
+        if self.fast:  # one kernel; the residual is updated in place
+            return norm.rmsnorm(x, self.weight, self.eps, residual=residual), residual
         x = x + residual
         return self.forward(x), x
 
@@ -65,7 +97,7 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, FastPath):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -83,7 +115,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 batch: AttentionBatch) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        qkv = linear(x, self.qkv_proj, self.fast)
+        if self.fast:
+            out = self._fast_attention(qkv, positions, rotary, batch)
+            return linear(out.view(tokens, self.num_heads * self.head_dim), self.o_proj, True)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -93,14 +129,32 @@ class Attention(nn.Module):
         out = attend(q, k, v, self.layer_idx, batch)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
+    def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch) -> torch.Tensor:
+        """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel."""
+        k_cache, v_cache = batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx]
+        q = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                               self.q_norm.weight if self.qk_norm else None,
+                               self.k_norm.weight if self.qk_norm else None,
+                               self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
+                               batch.slot_mapping, k_cache, v_cache)
+        if batch.is_prefill:
+            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            k, v = flat_k[batch.slot_mapping], flat_v[batch.slot_mapping]  # this step's keys, as stored
+            return prefill_attention(q, k, v, k_cache, v_cache, batch)
+        return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                      self.head_dim ** -0.5)
 
-class MLP(nn.Module):
+
+class MLP(nn.Module, FastPath):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            return linear(silu_mul(linear(x, self.gate_up_proj, True)), self.down_proj, True)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -131,7 +185,7 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Qwen3ForCausalLM(nn.Module):
+class Qwen3ForCausalLM(nn.Module, FastPath):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -151,4 +205,4 @@ class Qwen3ForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head, self.fast).float()

@@ -1,0 +1,355 @@
+"""Qwen3-8B on one GPU, in one go: this engine against HF transformers (same synthetic weights, same prompts)
+and against the device's measured ceilings. Sections can be picked with --sections.
+
+    python benchmarks/bench_h200.py --out $OUT/bench.json            # everything
+    python benchmarks/bench_h200.py --sections gemv,ours --out ...    # a part
+
+Writes the full results as JSON and prints a table last. Timings are medians over repeated steps after
+warm-up; device time from CUDA events, host time from perf_counter with a sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llm_anatomy import Engine  # noqa: E402
+from llm_anatomy.anatomy import Ceilings  # noqa: E402
+from llm_anatomy.models.attention import AttentionBatch  # noqa: E402
+from llm_anatomy.models.loader import hf_state_dict  # noqa: E402
+from llm_anatomy.probe.call import CallRequest, measure_call  # noqa: E402
+from llm_anatomy.probe.ceilings import calibrate  # noqa: E402
+from llm_anatomy.probe.cost import decode_cost, prefill_cost  # noqa: E402
+
+ALL = ["env", "gemv", "correctness", "ours", "overhead", "hf", "protocol", "kernels"]
+QWEN_PROTOCOL_INPUTS = (1, 6144, 14336, 30720)
+# Published by Qwen (speed_benchmark.md), Qwen3-8B BF16 on one H20, batch 1, 2048 generated tokens: tok/s
+QWEN_PUBLISHED_H20 = {1: (81.73, 45.32), 6144: (296.25, 146.12), 14336: (524.70, 183.29), 30720: (832.67, 208.98)}
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def sync():
+    torch.cuda.synchronize()
+
+
+def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 151643, (n,), generator=g).tolist()
+
+
+def timed_generate(engine: Engine, ids: list[int], new_tokens: int) -> dict:
+    """Greedy generation with no observer attached: host times of the prefill step and each decode step."""
+    seq = engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    sync()
+    t0 = time.perf_counter()
+    engine.step()
+    t1 = time.perf_counter()
+    steps = []
+    while not seq.finished:
+        t = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - t) * 1e3)
+    total = time.perf_counter() - t0
+    return {"prefill_ms": (t1 - t0) * 1e3, "decode_step_ms_median": statistics.median(steps) if steps else None,
+            "tpot_ms": (total - (t1 - t0)) * 1e3 / max(1, len(steps)), "total_s": total, "steps": len(steps)}
+
+
+def prefill_ms(engine: Engine, n: int, repeats: int = 3) -> float:
+    """Device time of a prefill of n fresh tokens (the engine's own step: forward + last-token logits)."""
+    times = []
+    for r in range(repeats + 1):
+        seq = engine.add_request(prompt_ids(n, seed=r), engine.sampling_params(temperature=0, max_tokens=1))
+        sync()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        engine.step()
+        b.record()
+        b.synchronize()
+        assert seq.finished
+        if r:
+            times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+# ---- sections -------------------------------------------------------------------------------------------------
+def section_env(ctx) -> dict:
+    import transformers
+    import triton
+
+    ceilings = calibrate(torch.device("cuda"))
+    ctx["ceilings"] = ceilings
+    props = torch.cuda.get_device_properties(0)
+    return {"date": time.strftime("%Y-%m-%d"), "device": props.name, "sm_count": props.multi_processor_count,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "ceilings": {"read_gbps": ceilings.read_gbps, "gemv_gbps": ceilings.gemv_gbps,
+                         "matmul_tflops": ceilings.matmul_tflops, "datasheet_gbps": ceilings.datasheet_gbps,
+                         "datasheet_tflops": ceilings.datasheet_tflops}}
+
+
+def section_gemv(ctx) -> dict:
+    """Each Qwen3-8B projection at batch 1: cuBLAS vs this project's Triton GEMV, inside CUDA graphs over all
+    36 layers' weights (so L2 cannot serve them)."""
+    from llm_anatomy.kernels.gemv import gemv
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+              "lm_head": (151936, 4096)}
+    out = {}
+    for name, (n, k) in shapes.items():
+        layers = 1 if name == "lm_head" else 36
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        assert rel(gemv(x, weights[0]), torch.nn.functional.linear(x, weights[0])) < 1e-2
+        row = {}
+        for impl, fn in (("cublas", torch.nn.functional.linear), ("triton", gemv)):
+            for w in weights[:2]:
+                fn(x, w)
+            sync()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for w in weights:
+                    fn(x, w)
+            ms = cuda_ms(graph.replay, iters=20)
+            row[impl] = {"ms": ms, "tbps": layers * n * k * 2 / ms / 1e9}
+        out[name] = row
+        del weights
+        torch.cuda.empty_cache()
+    return out
+
+
+def make_engine(ctx, **kw) -> Engine:
+    key = tuple(sorted(kw.items()))
+    if ctx.get("engine_key") != key:
+        ctx.pop("engine", None)
+        torch.cuda.empty_cache()
+        t = time.perf_counter()
+        ctx["engine"] = Engine.from_pretrained(ctx["model"], device="cuda", weights="synthetic", **kw)
+        ctx["engine_load_s"] = time.perf_counter() - t
+        ctx["engine_key"] = key
+    return ctx["engine"]
+
+
+def section_correctness(ctx) -> dict:
+    """Fast path (kernels + graphs) logits against HF transformers' Qwen3 on the same weights, bf16, and both
+    against an fp32 HF copy: a 512-token prefill + 64 decode steps, and a 16k-token prefill + 16 steps."""
+    engine = make_engine(ctx, kv_cache_tokens=40960)
+    out = {}
+    for prompt_len, steps in ((512, 64), (16384, 16)):
+        ids = prompt_ids(prompt_len, seed=7)
+        seq = engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+        rows = []
+        run = engine.runner.run
+        engine.runner.run = lambda s, p: rows.append(run(s, p)[0].clone()) or rows[-1][None]
+        try:
+            while not seq.finished:
+                engine.step()
+        finally:
+            engine.runner.run = run
+        ours = torch.stack(rows)  # logits that chose output tokens 0..steps
+        tokens = ids + seq.output_token_ids
+        ref = {}
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            model = hf_model(engine, dtype)
+            with torch.inference_mode():
+                logits = model(torch.tensor([tokens[:-1]], device="cuda"), logits_to_keep=steps + 1).logits[0]
+            ref[name] = logits.float()
+            del model
+            torch.cuda.empty_cache()
+        out[f"prefill{prompt_len}+decode{steps}"] = {
+            "ours_vs_hf_bf16": rel(ours, ref["bf16"]), "ours_vs_fp32": rel(ours, ref["fp32"]),
+            "hf_bf16_vs_fp32": rel(ref["bf16"], ref["fp32"]),
+            "argmax_agreement_with_hf_bf16": (ours.argmax(-1) == ref["bf16"].argmax(-1)).float().mean().item()}
+    return out
+
+
+def hf_model(engine: Engine, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{k: v for k, v in engine.config.to_hf().items() if k != "architectures"})
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in hf_state_dict(engine.model).items()},
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return model.eval()
+
+
+def section_ours(ctx) -> dict:
+    engine = make_engine(ctx, kv_cache_tokens=40960)
+    out = {"load_s": ctx["engine_load_s"], "graph_capture_s": engine.runner.capture_seconds,
+           "graph_bytes": engine.runner.graph_bytes}
+    timed_generate(engine, prompt_ids(128), 16)  # warm-up
+    out["decode_ctx512"] = timed_generate(engine, prompt_ids(384, 1), 128)
+    out["decode_ctx32k"] = timed_generate(engine, prompt_ids(32640, 2), 64)
+    for n in (128, 2048, 8192):
+        out[f"prefill_{n}_ms"] = prefill_ms(engine, n)
+    ceilings = ctx.get("ceilings") or calibrate(torch.device("cuda"), quick=True)
+    request = CallRequest(messages=[{"role": "user", "content": "word " * 115}],
+                          sampling=dict(temperature=0, max_tokens=64, ignore_eos=True))
+    measure_call(engine, request, ceilings)  # warm-up
+    _, anatomy = measure_call(engine, request, ceilings)
+    ctx["anatomy"] = anatomy
+    out["ttft_chat_prompt"] = {"prompt_tokens": len(anatomy.prompt_token_ids), "ttft_ms": anatomy.ttft_ms,
+                               "tpot_ms": anatomy.tpot_ms, "phases": {p.name: p.end_ms - p.start_ms
+                                                                      for p in anatomy.phases}}
+    cfg = engine.config
+    for key, ctx_len in (("decode_ctx512", 448), ("decode_ctx32k", 32672)):
+        cost = decode_cost(cfg, torch.bfloat16, [ctx_len])
+        out[key]["floor_ms"] = cost.bytes / (ceilings.read_gbps * 1e9) * 1e3
+    for n in (2048, 8192):
+        cost = prefill_cost(cfg, torch.bfloat16, [(n, 0)])
+        out[f"prefill_{n}_floor_ms"] = cost.flops / (ceilings.matmul_tflops * 1e12) * 1e3
+    return out
+
+
+def section_overhead(ctx) -> dict:
+    """TPOT with the anatomy attached (measure_call: observer, CUDA events, NVML sampler process) and without,
+    alternating, same prompt."""
+    engine = make_engine(ctx, kv_cache_tokens=40960)
+    ceilings = ctx.get("ceilings") or calibrate(torch.device("cuda"), quick=True)
+    ids = prompt_ids(256, 3)
+    on, off = [], []
+    for _ in range(3):
+        off.append(timed_generate(engine, ids, 256)["tpot_ms"])
+        _, a = measure_call(engine, CallRequest(prompt_token_ids=ids,
+                                                sampling=dict(temperature=0, max_tokens=256, ignore_eos=True)),
+                            ceilings)
+        on.append(a.tpot_ms)
+    return {"tpot_off_ms": off, "tpot_on_ms": on,
+            "overhead": statistics.median(on) / statistics.median(off) - 1}
+
+
+def section_hf(ctx) -> dict:
+    """HF transformers 5 on the same weights: prefill (last-token logits) and a decode loop with DynamicCache."""
+    from transformers import DynamicCache
+
+    engine = make_engine(ctx, kv_cache_tokens=40960)
+    model = hf_model(engine, torch.bfloat16)
+    out = {}
+    with torch.inference_mode():
+        for n in (128, 2048, 8192):
+            ids = torch.tensor([prompt_ids(n)], device="cuda")
+            out[f"prefill_{n}_ms"] = cuda_ms(lambda: model(ids, logits_to_keep=1), iters=5, warmup=2)
+        ids = torch.tensor([prompt_ids(448)], device="cuda")
+        cache = DynamicCache()
+        logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        steps = []
+        for _ in range(40):
+            token = logits.argmax(-1, keepdim=True)
+            sync()
+            t = time.perf_counter()
+            logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits.argmax(-1).item()  # the token on the host, as an engine needs it
+            steps.append((time.perf_counter() - t) * 1e3)
+        out["decode_step_ms_median"] = statistics.median(steps[5:])
+    ctx["hf"] = model
+    return out
+
+
+def section_protocol(ctx) -> dict:
+    """Qwen's speed benchmark: batch 1, 2048 generated tokens, speed = (input + output) / time, peak memory.
+    This engine runs it whole; HF runs the prefill and 32 decode steps per input, extrapolated to 2048."""
+    from transformers import DynamicCache
+
+    engine = make_engine(ctx, kv_cache_tokens=40960)
+    model = ctx.get("hf") or hf_model(engine, torch.bfloat16)
+    out = {}
+    for n in QWEN_PROTOCOL_INPUTS:
+        torch.cuda.reset_peak_memory_stats()
+        r = timed_generate(engine, prompt_ids(n, 11), 2048)
+        ours = {"tok_s": (n + 2048) / r["total_s"], "seconds": r["total_s"],
+                "peak_mib_process": torch.cuda.max_memory_allocated() / 2**20}
+        ids = torch.tensor([prompt_ids(n, 11)], device="cuda")
+        with torch.inference_mode():
+            sync()
+            t = time.perf_counter()
+            cache = DynamicCache()
+            logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            token = logits.argmax(-1, keepdim=True)
+            token.item()
+            prefill_s = time.perf_counter() - t
+            steps = []
+            for _ in range(32):
+                t = time.perf_counter()
+                logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+                token = logits.argmax(-1, keepdim=True)
+                token.item()
+                steps.append(time.perf_counter() - t)
+        hf_total = prefill_s + statistics.median(steps) * 2047
+        out[str(n)] = {"ours": ours, "hf_extrapolated": {"tok_s": (n + 2048) / hf_total, "prefill_s": prefill_s,
+                                                         "decode_step_s_median": statistics.median(steps)},
+                       "published_h20_sglang_tok_s": QWEN_PUBLISHED_H20[n][0],
+                       "published_h20_transformers_tok_s": QWEN_PUBLISHED_H20[n][1]}
+        del cache
+        torch.cuda.empty_cache()
+    return out
+
+
+def section_kernels(ctx) -> dict:
+    from llm_anatomy.probe.kernels import profile_kernels
+
+    engine = make_engine(ctx, kv_cache_tokens=40960)
+    out = {}
+    for b in profile_kernels(engine, prompt_ids(512, 5), {"temperature": 0}, decode_steps=8):
+        out[b.phase] = {"total_ms": b.total_ms, "steps": b.steps,
+                        "categories": {c.category: round(c.ms, 4) for c in b.categories},
+                        "top": [(k["name"][:90], round(k["ms"], 4), k["count"]) for k in b.top_kernels[:10]]}
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="Qwen/Qwen3-8B")
+    parser.add_argument("--sections", default=",".join(ALL))
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    ctx = {"model": args.model}
+    results = {}
+    for name in args.sections.split(","):
+        t = time.perf_counter()
+        try:
+            results[name] = globals()[f"section_{name}"](ctx)
+        except Exception as e:  # keep the other sections' results
+            import traceback
+
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        results[name + "_seconds"] = time.perf_counter() - t
+        print(f"[{name}] {time.perf_counter() - t:.1f} s", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    if "anatomy" in ctx and args.out:
+        Path(args.out).with_name("anatomy_h200.json").write_text(ctx["anatomy"].to_json(indent=1))
+    print(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Paged decode attention (one query token per sequence), split along the context (flash-decoding).
+
+Batch-1 decode has only KV-heads programs' worth of work per layer, far too few to fill the GPU and read
+the cache at full bandwidth; so each (sequence, KV head) is split into `splits` ranges of the context,
+each program attends its range for all query heads of its GQA group (one tl.dot over the group), and a
+second kernel merges the partial softmaxes. Tokens are gathered through the block table per token, so the
+tile (BLOCK_N tokens) does not depend on the page size. Only each sequence's valid context is read.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, row, page_size,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    d = tl.arange(0, HEAD_DIM)
+    tok = n0 + tl.arange(0, BLOCK_N)
+    valid = tok < end
+    page = tl.load(table_ptr + b * stride_tb + tok // page_size, mask=valid, other=0)
+    slot = page.to(tl.int64) * page_size + tok % page_size
+    offs = slot[:, None] * row + kvh * HEAD_DIM + d[None, :]
+    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(k)) * scale
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
+                  stride_qb, stride_qh, stride_tb, n_kv_heads, page_size, splits,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
+    start = s * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    row = n_kv_heads * HEAD_DIM
+    if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
+        n0 = start
+        while n0 < end:
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, row,
+                                     page_size, HEAD_DIM, BLOCK_N)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, row,
+                                     page_size, HEAD_DIM, BLOCK_N)
+    # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
+    base = (b * n_kv_heads * GROUP + heads) * splits + s
+    tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+    tl.store(ml_ptr + base * 2, m, mask=gmask)
+    tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, n_heads, splits,
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    smask = sp < splits
+    base = (b * n_heads + h) * splits + sp
+    m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits weigh nothing
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
+    """Enough (sequence, head, split) programs to give every multiprocessor about two."""
+    return max(1, min(64, triton.cdiv(2 * sm_count, batch * n_kv_heads)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D]; block_tables [B, max_pages] int32;
+    context_lens [B] int32 (0 for a padded row, which then gets zeros) -> [B, H, D]."""
+    batch, n_heads, head_dim = q.shape
+    n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = n_heads // n_kv_heads
+    splits = splits or default_splits(batch, n_kv_heads, _sm_count(q.device))
+    acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
+    _split_kernel[(batch, n_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
+        block_tables.stride(0), n_kv_heads, page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=4, num_stages=2)
+    out = torch.empty_like(q)
+    _merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,
+                                    SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, num_warps=1)
+    return out

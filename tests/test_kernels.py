@@ -1,0 +1,133 @@
+"""Each Triton kernel against its PyTorch reference: under Triton's interpreter on the CPU (float32, and bf16
+with bf16 tolerances), natively on a GPU."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from llm_anatomy.kernels import use_kernels  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if not use_kernels(DEVICE):
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from llm_anatomy.kernels.activation import silu_mul, silu_mul_reference  # noqa: E402
+from llm_anatomy.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from llm_anatomy.kernels.gemv import gemv  # noqa: E402
+from llm_anatomy.kernels.norm import rmsnorm, rmsnorm_reference  # noqa: E402
+from llm_anatomy.kernels.rope import qk_norm_rope_store  # noqa: E402
+from llm_anatomy.models.attention import decode_attention  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Triton's interpreter has no true bf16 arithmetic (numpy has no bf16): bf16 is checked on a GPU only.
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32]
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm(dtype, with_residual):
+    x, w = rand(5, 96, dtype=dtype), rand(96, dtype=dtype, seed=1)
+    r1 = rand(5, 96, dtype=dtype, seed=2) if with_residual else None
+    r2 = r1.clone() if with_residual else None
+    out = rmsnorm(x, w, 1e-6, residual=r1)
+    ref = rmsnorm_reference(x, w, 1e-6, residual=r2)
+    assert rel(out, ref) < TOL[dtype]
+    if with_residual:
+        assert rel(r1, r2) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gu = rand(3, 2 * 1500, dtype=dtype)
+    assert rel(silu_mul(gu), silu_mul_reference(gu)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_store(norm):
+    from llm_anatomy.models.config import ModelConfig
+    from llm_anatomy.models.qwen3 import RMSNorm, RotaryEmbedding
+
+    heads, kv_heads, d, tokens, eps = 4, 2, 32, 5, 1e-6
+    config = ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                                  "head_dim": d, "max_position_embeddings": 64, "rope_theta": 10000.0})
+    rotary = RotaryEmbedding(config).to(DEVICE)
+    qkv = rand(tokens, (heads + 2 * kv_heads) * d)
+    qn, kn = RMSNorm(d, eps).to(DEVICE), RMSNorm(d, eps).to(DEVICE)
+    with torch.no_grad():
+        qn.weight.copy_(rand(d, seed=3))
+        kn.weight.copy_(rand(d, seed=4))
+    positions = torch.tensor([0, 3, 7, 8, 40], device=DEVICE)
+    slots = torch.tensor([2, 9, -1, 4, 11], device=DEVICE)  # -1: a padded row, stores nothing
+    k_cache = torch.zeros(4, 4, kv_heads, d, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    q = qk_norm_rope_store(qkv, heads, kv_heads, d, qn.weight if norm else None, kn.weight if norm else None, eps,
+                           rotary.cos, rotary.sin, positions, slots, k_cache, v_cache)
+
+    rq, rk, rv = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    rq, rk, rv = rq.view(tokens, heads, d), rk.view(tokens, kv_heads, d), rv.view(tokens, kv_heads, d)
+    if norm:
+        rq, rk = qn(rq), kn(rk)
+    rq, rk = rotary(rq, positions), rotary(rk, positions)
+    assert rel(q, rq) < 1e-5
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert rel(flat_k[slot], rk[t]) < 1e-5 and torch.equal(flat_v[slot], rv[t])
+    assert flat_k[[0, 1, 3, 5, 6, 7, 8, 10, 12, 13, 14, 15]].abs().sum() == 0  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_paged_decode_attention(dtype, splits):
+    heads, kv_heads, d, page, pages = 8, 2, 32, 4, 40
+    k_cache, v_cache = rand(pages, page, kv_heads, d, dtype=dtype), rand(pages, page, kv_heads, d, dtype=dtype, seed=1)
+    perm = torch.randperm(pages, generator=torch.Generator().manual_seed(0))
+    context = [1, 37, 100, 0]  # 0: a padded row of a graph batch
+    tables = torch.zeros(4, 25, dtype=torch.int32)
+    tables[0, :1], tables[1, :10], tables[2, :25] = perm[:1], perm[1:11], perm[11:36]
+    tables, lens = tables.to(DEVICE), torch.tensor(context, dtype=torch.int32, device=DEVICE)
+    q = rand(4, heads, d, dtype=dtype, seed=2)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 1 / math.sqrt(d), splits=splits, block_n=16)
+    ref = decode_attention(q[:3], k_cache, v_cache, tables[:3], lens[:3])
+    assert rel(out[:3], ref) < TOL[dtype]
+    assert out[3].abs().sum() == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv(rows):
+    x, w = rand(rows, 1024), rand(96, 1024, seed=1)
+    assert rel(gemv(x, w), F.linear(x, w)) < 1e-5
+
+
+def test_fast_path_model_equals_reference(save_tiny):
+    """The whole network on the fused-kernel path (prefill and paged decode) against the PyTorch path."""
+    from llm_anatomy import Engine
+
+    directory, _ = save_tiny(num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2)
+    kw = dict(device=DEVICE, dtype=torch.float32, kv_cache_tokens=256, block_size=4, max_num_seqs=4)
+    fast = Engine.from_pretrained(directory, fast_path=True, **kw)  # on a GPU, decode replays CUDA graphs
+    reference = Engine.from_pretrained(directory, fast_path=False, cuda_graphs=False, **kw)
+    prompts = [[5, 9, 2, 7, 1, 3], [8, 8, 1], [4] * 11]
+    logits = {}
+    for name, engine in (("fast", fast), ("reference", reference)):
+        rows = []
+        run = engine.runner.run
+        engine.runner.run = lambda seqs, is_prefill, run=run, rows=rows: rows.append(run(seqs, is_prefill)) or rows[-1]
+        outs = engine.generate_many(prompts, temperature=0, max_tokens=10, ignore_eos=True)
+        logits[name] = (torch.cat(rows), [o.output_token_ids for o in outs])
+    assert logits["fast"][1] == logits["reference"][1]
+    assert rel(logits["fast"][0], logits["reference"][0]) < 1e-5
