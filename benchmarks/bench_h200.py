@@ -30,7 +30,7 @@ from llm_anatomy.probe.call import CallRequest, measure_call  # noqa: E402
 from llm_anatomy.probe.ceilings import calibrate  # noqa: E402
 from llm_anatomy.probe.cost import decode_cost, prefill_cost  # noqa: E402
 
-ALL = ["env", "gemv", "correctness", "ours", "overhead", "hf", "protocol", "kernels"]
+ALL = ["env", "gemv", "attn", "correctness", "ours", "overhead", "hf", "protocol", "kernels"]
 QWEN_PROTOCOL_INPUTS = (1, 6144, 14336, 30720)
 # Published by Qwen (speed_benchmark.md), Qwen3-8B BF16 on one H20, batch 1, 2048 generated tokens: tok/s
 QWEN_PUBLISHED_H20 = {1: (81.73, 45.32), 6144: (296.25, 146.12), 14336: (524.70, 183.29), 30720: (832.67, 208.98)}
@@ -144,6 +144,41 @@ def section_gemv(ctx) -> dict:
     return out
 
 
+def section_attn(ctx) -> dict:
+    """The paged decode-attention kernel over 36 layers' caches (one CUDA graph), batch 1, per tile config."""
+    from llm_anatomy.kernels.decode_attention import paged_decode_attention
+
+    out = {}
+    page, kv_heads, d = 16, 8, 128
+    for context in (512, 32768):
+        pages = context // page
+        caches = [(torch.randn(pages, page, kv_heads, d, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(pages, page, kv_heads, d, device="cuda", dtype=torch.bfloat16)) for _ in range(36)]
+        q = torch.randn(1, 32, d, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(pages, device="cuda", dtype=torch.int32)[None]
+        lens = torch.tensor([context], device="cuda", dtype=torch.int32)
+        kv_bytes = 36 * 2 * context * kv_heads * d * 2
+        for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3), (64, 8, 4)):
+            def run():
+                for k, v in caches:
+                    paged_decode_attention(q, k, v, table, lens, d ** -0.5, block_n=block_n, num_warps=warps,
+                                           num_stages=stages)
+            try:
+                run()
+                sync()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                ms = cuda_ms(graph.replay, iters=20)
+                out[f"ctx{context}_bn{block_n}_w{warps}_s{stages}"] = {"ms_36_layers": ms,
+                                                                         "tbps": kv_bytes / ms / 1e9}
+            except Exception as e:
+                out[f"ctx{context}_bn{block_n}_w{warps}_s{stages}"] = {"error": str(e)[:200]}
+        del caches
+        torch.cuda.empty_cache()
+    return out
+
+
 def make_engine(ctx, **kw) -> Engine:
     key = tuple(sorted(kw.items()))
     if ctx.get("engine_key") != key:
@@ -166,7 +201,7 @@ def section_correctness(ctx) -> dict:
         seq = engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=steps + 1, ignore_eos=True))
         rows = []
         run = engine.runner.run
-        engine.runner.run = lambda s, p: rows.append(run(s, p)[0].clone()) or rows[-1][None]
+        engine.runner.run = lambda s, p, a=None: rows.append(run(s, p, a)[0].clone()) or rows[-1][None]
         try:
             while not seq.finished:
                 engine.step()

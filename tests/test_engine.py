@@ -119,3 +119,40 @@ def test_abort_frees_blocks(engine):
     engine.abort(seq)
     assert seq.finish_reason == "abort" and not engine.has_work()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_lookahead_gives_the_same_tokens(save_tiny):
+    """Launching step n+1 before step n's tokens reach the host changes nothing: greedy, seeded sampling,
+    a stop token mid-stream, batches whose members finish at different steps, and stop strings."""
+    directory, _ = save_tiny(initializer_range=0.2)
+    kw = dict(device="cpu", dtype=torch.float32, kv_cache_tokens=512, block_size=4)
+    plain = Engine.from_pretrained(directory, lookahead=False, **kw)
+    ahead = Engine.from_pretrained(directory, lookahead=True, **kw)
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6], [5, 3]]
+    free = plain.generate(prompt_token_ids=prompts[0], temperature=0, max_tokens=30, ignore_eos=True)
+    stopper = free.output_token_ids[9]
+    for sampling in (dict(temperature=0, max_tokens=30, ignore_eos=True),
+                     dict(temperature=1.0, top_k=0, top_p=1.0, seed=5, max_tokens=25, ignore_eos=True),
+                     dict(temperature=0, max_tokens=30, stop_token_ids=[stopper])):
+        a = [r.output_token_ids for r in plain.generate_many(prompts, **sampling)]
+        b = [r.output_token_ids for r in ahead.generate_many(prompts, **sampling)]
+        assert a == b
+    text = free.text
+    out = ahead.generate(prompt_token_ids=prompts[0], temperature=0, max_tokens=30, ignore_eos=True,
+                         stop=[text[8:11]])
+    assert out.text == text[:text.find(text[8:11])] and out.finish_reason == "stop"
+    assert ahead.pool.num_free_blocks == ahead.pool.num_blocks
+
+
+def test_lookahead_recorder_sees_every_step(save_tiny):
+    from llm_anatomy.anatomy import Ceilings
+    from llm_anatomy.probe.call import CallRequest, measure_call
+
+    directory, _ = save_tiny(initializer_range=0.2)
+    engine = Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=512,
+                                    lookahead=True)
+    ceilings = Ceilings("cpu", 20.0, 15.0, 0.5, None, None)
+    _, a = measure_call(engine, CallRequest(prompt_token_ids=[1, 2, 3], sampling=dict(temperature=0, max_tokens=9,
+                                                                                       ignore_eos=True)), ceilings)
+    assert len(a.decode_steps) == 8 and [s.context_len for s in a.decode_steps] == list(range(4, 12))
+    assert [s.token_id for s in a.decode_steps] == a.output_token_ids[1:]

@@ -108,9 +108,11 @@ def test_paged_decode_attention(dtype, splits):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_gemv(rows):
-    x, w = rand(rows, 1024), rand(96, 1024, seed=1)
-    assert rel(gemv(x, w), F.linear(x, w)) < 1e-5
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv(rows, dtype):
+    x, w = rand(rows, 1024, dtype=dtype), rand(96, 1024, seed=1, dtype=dtype)
+    assert rel(gemv(x, w), F.linear(x, w)) < TOL[dtype]
+    assert rel(gemv(x, w, gated=True), silu_mul_reference(F.linear(x, w))) < TOL[dtype]
 
 
 def test_fast_path_model_equals_reference(save_tiny):
@@ -126,7 +128,11 @@ def test_fast_path_model_equals_reference(save_tiny):
     for name, engine in (("fast", fast), ("reference", reference)):
         rows = []
         run = engine.runner.run
-        engine.runner.run = lambda seqs, is_prefill, run=run, rows=rows: rows.append(run(seqs, is_prefill)) or rows[-1]
+        def recording(seqs, is_prefill, ahead=None, run=run, rows=rows):
+            rows.append(run(seqs, is_prefill, ahead).clone())  # a graph's output buffer is reused: copy it
+            return rows[-1]
+
+        engine.runner.run = recording
         outs = engine.generate_many(prompts, temperature=0, max_tokens=10, ignore_eos=True)
         logits[name] = (torch.cat(rows), [o.output_token_ids for o in outs])
     assert logits["fast"][1] == logits["reference"][1]

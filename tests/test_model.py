@@ -73,8 +73,8 @@ def test_paged_decode_equals_full_recompute(save_tiny):
     step_logits = {s.request_id: [] for s in seqs}
     runner_run = engine.runner.run
 
-    def recording_run(batch_seqs, is_prefill):
-        logits = runner_run(batch_seqs, is_prefill)
+    def recording_run(batch_seqs, is_prefill, ahead=None):
+        logits = runner_run(batch_seqs, is_prefill, ahead)
         for s, row in zip(batch_seqs, logits):
             step_logits[s.request_id].append(row.clone())
         return logits

@@ -63,6 +63,16 @@ class GenerationResult:
     prompt_text: str | None = None
 
 
+@dataclass
+class _Pending:
+    """A launched step whose sampled tokens are still on the device."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    step: Step | None
+    tokens: torch.Tensor | None = None
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -91,7 +101,7 @@ class Engine:
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = None, block_size: int = 16, seed: int | None = None,
-                 fast_path: bool | None = None, cuda_graphs: bool = True):
+                 fast_path: bool | None = None, cuda_graphs: bool = True, lookahead: bool | None = None):
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -122,6 +132,10 @@ class Engine:
         self.observers: list[Observer] = []
         self._ids = itertools.count()
         self._steps = itertools.count()
+        # Launch decode step n+1 before reading step n's tokens back, so the host's work (detokenizing,
+        # stop checks, scheduling) overlaps the device's. Pays only where the device runs asynchronously.
+        self.lookahead = device.type == "cuda" if lookahead is None else lookahead
+        self._ahead: _Pending | None = None
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -268,28 +282,69 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One prefill or decode step over the scheduled batch; returns its sequences."""
+        """One prefill or decode step over the scheduled batch: its tokens are appended (and, with lookahead,
+        the next decode step is already running on the device). Returns the step's sequences."""
+        pending, self._ahead = self._ahead or self._launch(), None
+        if pending is None:
+            return []
+        if self._can_run_ahead(pending):
+            self._ahead = self._launch_ahead(pending)
+        self._complete(pending)
+        return pending.seqs
+
+    def _launch(self) -> "_Pending | None":
         observers = self.observers
         t_start = time.perf_counter_ns() if observers else 0
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            return []
+            return None
         step = None
         if observers:
             step = Step(next(self._steps), is_prefill, seqs, [s.num_tokens - s.num_cached for s in seqs],
                         [s.num_tokens for s in seqs], t_start, t_launch_ns=time.perf_counter_ns())
-            for o in observers:
-                o.on_launch(step)
-        logits = self.runner.run(seqs, is_prefill)
-        next_tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                   [s.output_counts for s in seqs])
-        if step is not None:
-            for o in observers:
-                o.on_launched(step)
-        tokens = next_tokens.tolist()
+        return self._run(_Pending(seqs, is_prefill, step), None)
+
+    def _launch_ahead(self, previous: "_Pending") -> "_Pending":
+        """The decode step after `previous`, taking its sampled tokens straight from the device."""
+        seqs = previous.seqs
+        step = None
+        if self.observers:
+            now = time.perf_counter_ns()
+            step = Step(next(self._steps), False, seqs, [1] * len(seqs), [s.num_tokens + 1 for s in seqs], now,
+                        t_launch_ns=now)
+        return self._run(_Pending(seqs, False, step), previous.tokens)
+
+    def _run(self, pending: "_Pending", ahead_tokens) -> "_Pending":
+        seqs, step = pending.seqs, pending.step
+        for o in self.observers:
+            o.on_launch(step)
+        logits = self.runner.run(seqs, pending.is_prefill, ahead_tokens)
+        pending.tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                      [s.output_counts for s in seqs])
+        for o in self.observers:
+            o.on_launched(step)
+        return pending
+
+    def _can_run_ahead(self, p: "_Pending") -> bool:
+        """Only when the next step is certain to be a decode of exactly these sequences (nothing waiting to be
+        admitted, nobody about to hit a length limit) and its cache blocks can be held now."""
+        if not self.lookahead or self.scheduler.waiting or self.scheduler.running != p.seqs:
+            return False
+        for s in p.seqs:  # the host is one step behind p: p's tokens will make it num_tokens + 1
+            if s.output_counts is not None or len(s.output_token_ids) + 1 >= s.params.max_tokens or \
+                    s.num_tokens + 1 >= self.max_model_len:
+                return False
+        return all(s.block_table.ensure(s.num_tokens + 1) for s in p.seqs)
+
+    def _complete(self, p: "_Pending") -> None:
+        """Read the step's tokens back (the one sync per step) and append them."""
+        step = p.step
+        tokens = p.tokens.tolist()
         if step is not None:
             step.t_sampled_ns, step.tokens = time.perf_counter_ns(), tokens
-        for seq, token in zip(seqs, tokens):
+        for seq, token in zip(p.seqs, tokens):
+            if seq.finished:  # ended (stop token, abort) while this step was already in flight
+                continue
             seq.num_cached = seq.num_tokens
             t = time.perf_counter_ns() if step is not None else 0
             self._append_token(seq, token)
@@ -299,9 +354,8 @@ class Engine:
                     step.finished.append(seq.request_id)
         if step is not None:
             step.t_end_ns = time.perf_counter_ns()
-            for o in observers:
+            for o in self.observers:
                 o.on_step(step)
-        return seqs
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)

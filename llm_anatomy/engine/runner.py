@@ -37,12 +37,16 @@ class ModelRunner:
         return self._tensor([s.block_table.blocks + [0] * (width - len(s.block_table.blocks)) for s in seqs],
                             torch.int32)
 
-    def prepare(self, seqs: list[Sequence], is_prefill: bool):
+    def prepare(self, seqs: list[Sequence], is_prefill: bool, ahead: int = 0):
+        """Inputs of a step. `ahead`=1: a decode step launched before the previous one's tokens reached the
+        host, so each sequence is one position further than its host-side tokens say."""
         input_ids, positions, slots = [], [], []
         query_lens, prefix_lens = [], []
         for seq in seqs:
             start, end = (seq.num_cached, seq.num_tokens) if is_prefill else (seq.num_tokens - 1, seq.num_tokens)
-            input_ids += seq.token_ids(start, end)
+            start, end = start + ahead, end + ahead
+            if not ahead:
+                input_ids += seq.token_ids(start, end)
             positions += range(start, end)
             slots += seq.block_table.slots(start, end)
             query_lens.append(end - start)
@@ -52,18 +56,21 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             is_prefill=is_prefill,
             block_tables=self._block_tables(seqs),
-            context_lens=self._tensor([s.num_tokens for s in seqs], torch.int32),
+            context_lens=self._tensor([s.num_tokens + ahead for s in seqs], torch.int32),
             query_lens=tuple(query_lens), prefix_lens=tuple(prefix_lens),
         )
         last = torch.tensor(query_lens).cumsum(0) - 1
         return self._tensor(input_ids), self._tensor(positions), batch, last.to(self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Forward the batch, write its K/V, and return float32 logits [len(seqs), vocab]."""
+    def run(self, seqs: list[Sequence], is_prefill: bool, ahead_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward the batch, write its K/V, and return float32 logits [len(seqs), vocab]. With `ahead_tokens`
+        (a decode step's sampled tokens, still on the device) this decode step takes them as its input."""
         if not is_prefill and self.graphs and len(seqs) <= self.max_graph_batch:
-            return self._replay(seqs)
-        input_ids, positions, batch, last = self.prepare(seqs, is_prefill)
+            return self._replay(seqs, ahead_tokens)
+        input_ids, positions, batch, last = self.prepare(seqs, is_prefill, ahead=int(ahead_tokens is not None))
+        if ahead_tokens is not None:
+            input_ids = ahead_tokens
         hidden = self.model(input_ids, positions, batch)
         return self.model.compute_logits(hidden[last] if is_prefill else hidden)
 
@@ -83,8 +90,12 @@ class ModelRunner:
         self.static_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.static_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.static_tables = torch.zeros(n, width, dtype=torch.int32, device=dev)
-        self._stage = torch.zeros(3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
-        self._stage_lens = torch.zeros(n, dtype=torch.int32).pin_memory()
+        # Pinned staging, double-buffered: a step's inputs may still be in flight when the next is prepared.
+        self._stage = torch.zeros(2, 3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
+        self._stage_lens = torch.zeros(2, n, dtype=torch.int32).pin_memory()
+        self._stage_tables = torch.zeros(2, n, width, dtype=torch.int32).pin_memory()
+        self._flip = 0
+        self._rows: list[tuple | None] = [None] * n  # which sequence's blocks each table row holds, how many
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_allocated(dev)
         mempool = None
@@ -111,29 +122,42 @@ class ModelRunner:
         self.graph_bytes = torch.cuda.memory_allocated(dev) - before
         self.capture_seconds = time.perf_counter() - start
 
-    def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _replay(self, seqs: list[Sequence], ahead_tokens: torch.Tensor | None) -> torch.Tensor:
         n = len(seqs)
         b = next(size for size in sorted(self.graphs) if size >= n)
-        stage, lens = self._stage, self._stage_lens
+        stage, lens, tables = self._stage[self._flip], self._stage_lens[self._flip], self._stage_tables[self._flip]
+        self._flip ^= 1
         stage[:, n:b] = 0
         stage[2, n:b] = -1
         lens[n:b] = 0
-        width = 0
+        ahead = int(ahead_tokens is not None)
         for i, seq in enumerate(seqs):
-            pos = seq.num_tokens - 1
+            pos = seq.num_tokens - 1 + ahead
             stage[0, i] = seq.last_token
             stage[1, i] = pos
             stage[2, i] = seq.block_table.slots(pos, pos + 1)[0]
-            lens[i] = seq.num_tokens
-            width = max(width, len(seq.block_table.blocks))
-        tables = torch.zeros(n, width, dtype=torch.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table.blocks)] = torch.tensor(seq.block_table.blocks, dtype=torch.int32)
-        self.static_ids[:b].copy_(stage[0, :b], non_blocking=True)
+            lens[i] = pos + 1
+            self._sync_table_row(i, seq, tables)
+        if ahead_tokens is None:
+            self.static_ids[:b].copy_(stage[0, :b], non_blocking=True)
+        else:
+            self.static_ids[:n].copy_(ahead_tokens)
+            self.static_ids[n:b].zero_()
         self.static_pos[:b].copy_(stage[1, :b], non_blocking=True)
         self.static_slots[:b].copy_(stage[2, :b], non_blocking=True)
         self.static_lens[:b].copy_(lens[:b], non_blocking=True)
-        self.static_tables[:n, :width].copy_(tables)
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]
+
+    def _sync_table_row(self, row: int, seq: Sequence, stage: torch.Tensor) -> None:
+        """Keep the device's block-table row in step with the sequence, copying only blocks it lacks (through
+        pinned memory: a pageable copy would wait for the step in flight)."""
+        owner = (seq.request_id, seq.num_preemptions)
+        blocks = seq.block_table.blocks
+        held = self._rows[row]
+        start = held[1] if held is not None and held[0] == owner else 0
+        if start < len(blocks):
+            stage[row, start:len(blocks)] = torch.tensor(blocks[start:], dtype=torch.int32)
+            self.static_tables[row, start:len(blocks)].copy_(stage[row, start:len(blocks)], non_blocking=True)
+            self._rows[row] = (owner, len(blocks))

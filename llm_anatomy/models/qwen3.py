@@ -154,7 +154,11 @@ class MLP(nn.Module, FastPath):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast:
-            return linear(silu_mul(linear(x, self.gate_up_proj, True)), self.down_proj, True)
+            if gemv.supports(x, self.gate_up_proj.weight):  # decode: SiLU*up fused into the gate_up GEMV
+                act = gemv.gemv(x, self.gate_up_proj.weight, gated=True)
+            else:
+                act = silu_mul(self.gate_up_proj(x))
+            return linear(act, self.down_proj, True)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -70,11 +70,11 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
                  graph_bytes: int = 0) -> tuple[GenerationResult, Anatomy]:
     """Run the request alone on the engine and measure it. `t_start_ns` is when the call was received
     (parsing happened between then and now); by default, now."""
-    t_parse_start = t_start_ns if t_start_ns is not None else time.perf_counter_ns()
     available, note = nvml_status(engine.device) if use_telemetry else (False, "telemetry turned off")
     sampler = GpuTelemetry(engine.device, telemetry_hz) if available else None
     if sampler is not None:
         sampler.start()  # before the clock starts: the sampler's start-up is not part of the call
+    t_parse_start = t_start_ns if t_start_ns is not None else time.perf_counter_ns()
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)

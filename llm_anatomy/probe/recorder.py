@@ -35,14 +35,16 @@ class StepRecord:
 
 @dataclass
 class RequestRecorder:
-    """Engine observer for one request (the first one added after attaching, unless request_id is given)."""
+    """Engine observer for one request (the first one added after attaching, unless request_id is given).
+    With lookahead the next step is launched before the current one completes, so open steps are kept by
+    their index."""
 
     clock: Clock
     request_id: str | None = None
     added_ns: int = 0
     finished_ns: int = 0
     steps: list[StepRecord] = field(default_factory=list)
-    _current: StepRecord | None = None
+    _open: dict[int, StepRecord] = field(default_factory=dict)
 
     def _mine(self, step: Step) -> Sequence | None:
         for s in step.seqs:
@@ -58,21 +60,24 @@ class RequestRecorder:
 
     def on_launch(self, step: Step) -> None:
         seq = self._mine(step)
-        if seq is None:
-            self._current = None
+        if seq is None or seq.finished:
             return
-        self._current = StepRecord(step, seq.num_tokens, len(step.seqs),
-                                   [s.request_id for s in step.seqs if s is not seq])
-        self._current.gpu_start = self.clock.event() if self.clock.cuda else time.perf_counter_ns()
+        i = step.seqs.index(seq)
+        record = StepRecord(step, step.context_lens[i], len(step.seqs),
+                            [s.request_id for s in step.seqs if s is not seq])
+        record.gpu_start = self.clock.event() if self.clock.cuda else time.perf_counter_ns()
+        self._open[step.index] = record
 
     def on_launched(self, step: Step) -> None:
-        if self._current is not None:
-            self._current.gpu_end = self.clock.event() if self.clock.cuda else time.perf_counter_ns()
+        record = self._open.get(step.index)
+        if record is not None:
+            record.gpu_end = self.clock.event() if self.clock.cuda else time.perf_counter_ns()
 
     def on_step(self, step: Step) -> None:
-        record, self._current = self._current, None
-        if record is not None:
-            seq = self._mine(step)
+        record = self._open.pop(step.index, None)
+        seq = self._mine(step)
+        # a step launched ahead for a request that had already finished produced nothing for it
+        if record is not None and seq is not None and seq.num_cached == record.context_len:
             record.kv_tokens = seq.num_cached
             self.steps.append(record)
 
