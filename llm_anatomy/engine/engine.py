@@ -101,7 +101,8 @@ class Engine:
                  kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = None, block_size: int = 16, seed: int | None = None,
-                 fast_path: bool | None = None, cuda_graphs: bool = True, lookahead: bool | None = None):
+                 fast_path: bool | None = None, cuda_graphs: bool = True, lookahead: bool | None = None,
+                 pdl: bool = True):
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -126,8 +127,21 @@ class Engine:
         self.pool = KVCachePool(config, blocks, block_size, dtype, device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool, device)
-        if cuda_graphs and device.type == "cuda":
-            self.runner.capture(max_num_seqs, self.max_model_len)
+        self.pdl = False
+        if cuda_graphs and self.fast_path and device.type == "cuda":  # graphs replay the fused-kernel path
+            from ..kernels.pdl import enable_pdl
+
+            self.pdl = enable_pdl(device, pdl)
+            try:
+                self.runner.capture(max_num_seqs, self.max_model_len)
+            except RuntimeError as e:  # a driver that cannot capture programmatic launches: without them
+                if not self.pdl:
+                    raise
+                log.warning("CUDA graph capture with programmatic dependent launch failed (%s); retrying "
+                            "without it", str(e).splitlines()[0])
+                self.pdl = enable_pdl(device, False)
+                self.runner = ModelRunner(model, self.pool, device)
+                self.runner.capture(max_num_seqs, self.max_model_len)
         self.sampler = Sampler(device, seed)
         self.observers: list[Observer] = []
         self._ids = itertools.count()

@@ -18,6 +18,9 @@ from .kv_cache import KVCachePool
 from .scheduler import Sequence
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# A short prompt's prefill launches ~400 kernels for a few ms of GPU work: replay it from a graph too
+# (one sequence, nothing cached yet; padded tokens sit after the real ones, so causality hides them).
+GRAPH_PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
 
 
 class ModelRunner:
@@ -26,8 +29,10 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_bytes = 0
         self.capture_seconds = 0.0
+        self._mempool = None
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -68,6 +73,9 @@ class ModelRunner:
         (a decode step's sampled tokens, still on the device) this decode step takes them as its input."""
         if not is_prefill and self.graphs and len(seqs) <= self.max_graph_batch:
             return self._replay(seqs, ahead_tokens)
+        if is_prefill and self.prefill_graphs and len(seqs) == 1 and seqs[0].num_cached == 0 \
+                and seqs[0].num_tokens <= GRAPH_PREFILL_TOKENS[-1]:
+            return self._replay_prefill(seqs[0])
         input_ids, positions, batch, last = self.prepare(seqs, is_prefill, ahead=int(ahead_tokens is not None))
         if ahead_tokens is not None:
             input_ids = ahead_tokens
@@ -98,29 +106,52 @@ class ModelRunner:
         self._rows: list[tuple | None] = [None] * n  # which sequence's blocks each table row holds, how many
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_allocated(dev)
-        mempool = None
         for b in reversed(sizes):
             batch = AttentionBatch(self.pool.k, self.pool.v, self.static_slots[:b], False, self.static_tables[:b],
                                    self.static_lens[:b])
 
             def forward(b=b, batch=batch):
-                hidden = self.model(self.static_ids[:b], self.static_pos[:b], batch)
-                return self.model.compute_logits(hidden)
+                return self.model.compute_logits(self.model(self.static_ids[:b], self.static_pos[:b], batch))
 
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    forward()
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
-                logits = forward()
-            mempool = mempool or graph.pool()
-            self.graphs[b] = (graph, logits)
+            self.graphs[b] = self._capture_one(forward)
+        self._capture_prefill()
         torch.cuda.synchronize(dev)
         self.graph_bytes = torch.cuda.memory_allocated(dev) - before
         self.capture_seconds = time.perf_counter() - start
+
+    def _capture_one(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (compiles and tunes kernels outside the graph), then capture, sharing one
+        memory pool across all graphs."""
+        dev = self.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            out = forward()
+        self._mempool = self._mempool or graph.pool()
+        return graph, out
+
+    def _capture_prefill(self) -> None:
+        n, dev = GRAPH_PREFILL_TOKENS[-1], self.device
+        self.prefill_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.prefill_pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.prefill_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.prefill_last = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._prefill_stage = torch.zeros(2, 4, n, dtype=torch.int64).pin_memory()  # ids, pos, slots, last
+        unused_tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        for t in reversed(GRAPH_PREFILL_TOKENS):
+            batch = AttentionBatch(self.pool.k, self.pool.v, self.prefill_slots[:t], True, unused_tables,
+                                   torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,))
+
+            def forward(t=t, batch=batch):
+                hidden = self.model(self.prefill_ids[:t], self.prefill_pos[:t], batch)
+                return self.model.compute_logits(hidden[self.prefill_last])
+
+            self.prefill_graphs[t] = self._capture_one(forward)
 
     def _replay(self, seqs: list[Sequence], ahead_tokens: torch.Tensor | None) -> torch.Tensor:
         n = len(seqs)
@@ -161,3 +192,22 @@ class ModelRunner:
             stage[row, start:len(blocks)] = torch.tensor(blocks[start:], dtype=torch.int32)
             self.static_tables[row, start:len(blocks)].copy_(stage[row, start:len(blocks)], non_blocking=True)
             self._rows[row] = (owner, len(blocks))
+
+    def _replay_prefill(self, seq: Sequence) -> torch.Tensor:
+        n = seq.num_tokens
+        t = next(size for size in GRAPH_PREFILL_TOKENS if size >= n)
+        stage = self._prefill_stage[self._flip]
+        self._flip ^= 1
+        stage[0, :n] = torch.tensor(seq.prompt_token_ids + seq.output_token_ids)
+        stage[1, :n] = torch.arange(n)
+        stage[2, :n] = torch.tensor(seq.block_table.slots(0, n))
+        stage[:2, n:t] = 0
+        stage[2, n:t] = -1  # padded tokens store nothing
+        stage[3, 0] = n - 1
+        self.prefill_ids[:t].copy_(stage[0, :t], non_blocking=True)
+        self.prefill_pos[:t].copy_(stage[1, :t], non_blocking=True)
+        self.prefill_slots[:t].copy_(stage[2, :t], non_blocking=True)
+        self.prefill_last.copy_(stage[3, :1], non_blocking=True)
+        graph, logits = self.prefill_graphs[t]
+        graph.replay()
+        return logits

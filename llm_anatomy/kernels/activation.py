@@ -5,9 +5,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .pdl import PDL, gdc_enter
+
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    gdc_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -23,7 +26,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                        BLOCK=block, num_warps=4)
+                                                        BLOCK=block, USE_PDL=PDL.on, launch_pdl=PDL.on,
+                                                        num_warps=4)
     return out
 
 

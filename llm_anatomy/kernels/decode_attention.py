@@ -2,10 +2,13 @@
 
 Batch-1 decode has only KV-heads programs' worth of work per layer, far too few to fill the GPU and read
 the cache at full bandwidth; so each (sequence, KV head) is split into `splits` ranges of the context,
-each program attends its range for all query heads of its GQA group (one tl.dot over the group), and the
-last program of a group to finish merges the partial softmaxes (an atomic counter tells it it is last),
-so a layer's attention is one launch. Tokens are gathered through the block table per token, so the tile
-(BLOCK_N tokens) does not depend on the page size. Only each sequence's valid context is read.
+each program attends its range for all query heads of its GQA group (one tl.dot over the group), and a
+second kernel merges the partial softmaxes. Tokens are gathered through the block table per token, so the
+tile (BLOCK_N tokens) does not depend on the page size. Only each sequence's valid context is read.
+
+(Merging in the last-arriving program of the first kernel, through an atomic counter, saves a launch but
+was slower on the H200: 15 us a layer against 7.4 for the two kernels, its merge being a serial chain of
+loads. benchmarks/results/2026-11-29_bench_run3.json, section attn.)
 """
 
 import functools
@@ -15,9 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import PDL, gdc_enter
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Tile and pipelining for the H200 (benchmarks/bench_h200.py, section attn); any config is correct.
-BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 3
+# Tile and pipelining: the best of benchmarks/bench_h200.py's section attn at 32k context on the H200
+# (at 512 tokens all configs were within 10%). Any config is correct.
+BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
 
 
 @triton.jit
@@ -48,10 +54,11 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, lock_ptr, scale,
-                             stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, n_kv_heads, page_size,
-                             splits: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
+                  stride_qb, stride_qh, stride_tb, n_kv_heads, page_size, splits,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+    gdc_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -79,46 +86,36 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, out_ptr, a
         for n0 in range(start, end, BLOCK_N):
             m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, row,
                                      page_size, HEAD_DIM, BLOCK_N, IEEE)
+    # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
+    base = (b * n_kv_heads * GROUP + heads) * splits + s
+    tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+    tl.store(ml_ptr + base * 2, m, mask=gmask)
+    tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
 
-    # This split's partial: acc [b, kvh, split, group, d] unnormalised, (max, sum) beside it.
-    group_base = (b * n_kv_heads + kvh) * splits
-    part = (group_base + s) * GROUP_PAD + g
-    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc)
-    tl.store(ml_ptr + part * 2, m)
-    tl.store(ml_ptr + part * 2 + 1, l)
-    # acq_rel: our partial is visible before the count moves; the last program sees everyone's.
-    done = tl.atomic_add(lock_ptr + b * n_kv_heads + kvh, 1)
-    if done == splits - 1:
-        m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_all = tl.zeros([GROUP_PAD], tl.float32)
-        acc_all = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for i in range(0, splits):
-            p_i = (group_base + i) * GROUP_PAD + g
-            m_i = tl.load(ml_ptr + p_i * 2, cache_modifier=".cg")
-            l_i = tl.load(ml_ptr + p_i * 2 + 1, cache_modifier=".cg")
-            a_i = tl.load(acc_ptr + p_i[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
-            m_new = tl.maximum(m_all, m_i)
-            # an empty split has max -inf: it weighs nothing (and -inf - -inf must not make a NaN)
-            w_old = tl.where(m_all > float("-inf"), tl.exp(m_all - m_new), 0.0)
-            w_i = tl.where(m_i > float("-inf"), tl.exp(m_i - m_new), 0.0)
-            l_all = l_all * w_old + l_i * w_i
-            acc_all = acc_all * w_old[:, None] + a_i * w_i[:, None]
-            m_all = m_new
-        out = acc_all / tl.maximum(l_all, 1e-30)[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-        tl.atomic_xchg(lock_ptr + b * n_kv_heads + kvh, 0)  # ready for the next launch (graph replay)
+
+@triton.jit
+def _merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, n_heads, splits,
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
+    gdc_enter(USE_PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    smask = sp < splits
+    base = (b * n_heads + h) * splits + sp
+    m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits weigh nothing
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
-@functools.cache
-def _locks(device: torch.device) -> torch.Tensor:
-    """Per (sequence, KV head) arrival counters; every launch leaves them at zero."""
-    return torch.zeros(1 << 16, dtype=torch.int32, device=device)
 
 
 def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
@@ -135,16 +132,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, n_heads, head_dim = q.shape
     n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = n_heads // n_kv_heads
-    group_pad = max(16, triton.next_power_of_2(group))
     splits = splits or default_splits(batch, n_kv_heads, _sm_count(q.device))
-    locks = _locks(q.device)
-    assert batch * n_kv_heads <= locks.numel()
-    acc = torch.empty(batch, n_kv_heads, splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
-    ml = torch.empty(batch, n_kv_heads, splits, group_pad, 2, dtype=torch.float32, device=q.device)
+    acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
+    _split_kernel[(batch, n_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
+        block_tables.stride(0), n_kv_heads, page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET,
+        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
-    _decode_attention_kernel[(batch, n_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, acc, ml, locks, scale, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), n_kv_heads, page_size, splits, GROUP=group,
-        GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    _merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,
+                                    SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim,
+                                    USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=1)
     return out

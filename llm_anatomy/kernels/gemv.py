@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import PDL, gdc_enter
+
 # A small search: per shape, Triton times each once on the first call (about a second per shape).
 CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
@@ -31,11 +33,12 @@ def _dot(x, w, IEEE: tl.constexpr):
     return tl.dot(x, tl.trans(w))
 
 
-@triton.autotune(configs=CONFIGS, key=["M_PAD", "N", "K", "GATED"])
+@triton.autotune(configs=CONFIGS, key=["M_PAD", "N", "K", "GATED", "USE_PDL"])
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
                  K: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    gdc_enter(USE_PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_PAD)
@@ -74,7 +77,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Te
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _gemv_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k, M_PAD=16,
-                       GATED=gated, IEEE=x.dtype == torch.float32)
+                       GATED=gated, IEEE=x.dtype == torch.float32, USE_PDL=PDL.on, launch_pdl=PDL.on)
     return y
 
 

@@ -8,10 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import PDL, gdc_enter
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, stride_x, stride_r, stride_o,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    gdc_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -34,7 +37,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     block = triton.next_power_of_2(n)
     res = residual if residual is not None else x
     _rmsnorm_kernel[(rows,)](x, res, weight, out, n, eps, x.stride(0), res.stride(0), out.stride(0),
-                             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                             HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=PDL.on, launch_pdl=PDL.on,
+                             num_warps=8 if block >= 4096 else 4)
     return out
 
 

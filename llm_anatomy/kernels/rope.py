@@ -9,11 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import PDL, gdc_enter
+
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
                                pos_ptr, slot_ptr, stride_qkv, stride_qo, n_heads, n_kv_heads, eps,
-                               HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+                               HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    gdc_enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -68,5 +71,5 @@ def qk_norm_rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_di
     _qk_norm_rope_store_kernel[(tokens, n_heads + n_kv_heads)](
         qkv, q, k_cache, v_cache, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions,
         slot_mapping, qkv.stride(0), q.stride(0), n_heads, n_kv_heads, eps, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        num_warps=1)
+        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=1)
     return q

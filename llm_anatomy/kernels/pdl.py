@@ -1,0 +1,38 @@
+"""Programmatic dependent launch (Hopper and later): each kernel of the decode step may be launched while
+the one before it is still finishing, so the ~300 launches of a step do not each pay a launch gap.
+
+Every kernel starts with `gdc_enter`: it waits until the previous kernel has completed and its writes are
+visible (griddepcontrol.wait), then lets the next kernel launch early (griddepcontrol.launch_dependents).
+Semantics are those of ordinary stream order; only the launch latency overlaps. Off under the interpreter
+and on GPUs before compute capability 9.0.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+class _Switch:
+    on = False
+
+
+PDL = _Switch()
+
+
+def enable_pdl(device, on: bool = True) -> bool:
+    """Turn PDL on for kernels launched from now on (it is a launch option, so CUDA graphs captured
+    afterwards carry it); returns whether it is on."""
+    import torch
+
+    PDL.on = bool(on and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+                  and torch.cuda.get_device_capability(device)[0] >= 9)
+    return PDL.on
+
+
+@triton.jit
+def gdc_enter(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
