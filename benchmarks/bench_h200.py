@@ -30,7 +30,7 @@ from llm_anatomy.probe.call import CallRequest, measure_call  # noqa: E402
 from llm_anatomy.probe.ceilings import calibrate  # noqa: E402
 from llm_anatomy.probe.cost import decode_cost, prefill_cost  # noqa: E402
 
-ALL = ["env", "gemv", "attn", "correctness", "ours", "overhead", "hf", "protocol", "kernels"]
+ALL = ["env", "gemv", "attn", "correctness", "ours", "overhead", "kernels", "hf", "protocol", "pdl"]
 QWEN_PROTOCOL_INPUTS = (1, 6144, 14336, 30720)
 # Published by Qwen (speed_benchmark.md), Qwen3-8B BF16 on one H20, batch 1, 2048 generated tokens: tok/s
 QWEN_PUBLISHED_H20 = {1: (81.73, 45.32), 6144: (296.25, 146.12), 14336: (524.70, 183.29), 30720: (832.67, 208.98)}
@@ -240,7 +240,7 @@ def hf_model(engine: Engine, dtype: torch.dtype):
 def section_ours(ctx) -> dict:
     engine = make_engine(ctx, kv_cache_tokens=40960)
     out = {"load_s": ctx["engine_load_s"], "graph_capture_s": engine.runner.capture_seconds,
-           "graph_bytes": engine.runner.graph_bytes}
+           "graph_bytes": engine.runner.graph_bytes, "pdl": engine.pdl}
     timed_generate(engine, prompt_ids(128), 16)  # warm-up
     out["decode_ctx512"] = timed_generate(engine, prompt_ids(384, 1), 128)
     out["decode_ctx32k"] = timed_generate(engine, prompt_ids(32640, 2), 64)
@@ -346,6 +346,15 @@ def section_protocol(ctx) -> dict:
         del cache
         torch.cuda.empty_cache()
     return out
+
+
+def section_pdl(ctx) -> dict:
+    """The same decode with programmatic dependent launch turned off (an A/B of that one change)."""
+    engine = make_engine(ctx, kv_cache_tokens=40960, pdl=False)
+    assert not engine.pdl
+    timed_generate(engine, prompt_ids(128), 16)  # warm-up
+    return {"decode_ctx512_no_pdl": timed_generate(engine, prompt_ids(384, 1), 128),
+            "decode_ctx32k_no_pdl": timed_generate(engine, prompt_ids(32640, 2), 64)}
 
 
 def section_kernels(ctx) -> dict:
