@@ -272,7 +272,7 @@ def section_overhead(ctx) -> dict:
     ceilings = ctx.get("ceilings") or calibrate(torch.device("cuda"), quick=True)
     ids = prompt_ids(256, 3)
     on, off = [], []
-    for _ in range(3):
+    for _ in range(5):
         off.append(timed_generate(engine, ids, 256)["tpot_ms"])
         _, a = measure_call(engine, CallRequest(prompt_token_ids=ids,
                                                 sampling=dict(temperature=0, max_tokens=256, ignore_eos=True)),

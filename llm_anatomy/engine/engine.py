@@ -70,7 +70,16 @@ class _Pending:
     seqs: list[Sequence]
     is_prefill: bool
     step: Step | None
-    tokens: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None  # on the device
+    host_tokens: torch.Tensor | None = None  # their copy in pinned host memory (CUDA), in flight
+    copied: torch.cuda.Event | None = None  # recorded after that copy
+
+    def read_tokens(self) -> list[int]:
+        """Wait for this step's tokens only (not for a later step queued behind them) and return them."""
+        if self.copied is None:
+            return self.tokens.tolist()
+        self.copied.synchronize()
+        return self.host_tokens.tolist()
 
 
 def default_device() -> torch.device:
@@ -150,6 +159,9 @@ class Engine:
         # stop checks, scheduling) overlaps the device's. Pays only where the device runs asynchronously.
         self.lookahead = device.type == "cuda" if lookahead is None else lookahead
         self._ahead: _Pending | None = None
+        if device.type == "cuda":  # two steps' sampled tokens can be in flight at once
+            self._host_tokens = torch.zeros(2, max(max_num_seqs, 1), dtype=torch.int64).pin_memory()
+            self._host_flip = 0
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -335,6 +347,12 @@ class Engine:
         logits = self.runner.run(seqs, pending.is_prefill, ahead_tokens)
         pending.tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
                                       [s.output_counts for s in seqs])
+        if self.device.type == "cuda":  # queue the copy now, ahead of any step launched after this one
+            self._host_flip ^= 1
+            pending.host_tokens = self._host_tokens[self._host_flip, :len(seqs)]
+            pending.host_tokens.copy_(pending.tokens, non_blocking=True)
+            pending.copied = torch.cuda.Event()
+            pending.copied.record()
         for o in self.observers:
             o.on_launched(step)
         return pending
@@ -353,7 +371,7 @@ class Engine:
     def _complete(self, p: "_Pending") -> None:
         """Read the step's tokens back (the one sync per step) and append them."""
         step = p.step
-        tokens = p.tokens.tolist()
+        tokens = p.read_tokens()
         if step is not None:
             step.t_sampled_ns, step.tokens = time.perf_counter_ns(), tokens
         for seq, token in zip(p.seqs, tokens):
