@@ -315,7 +315,7 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
         ceilings=ceilings,
         telemetry=telemetry,
         gpu_samples=samples,
-        host_ms=({"detokenize": 0.31, "schedule_and_prepare": 3.9, "wait_for_device": 141.2} if not cpu else
+        host_ms=({"schedule": 1.1, "prepare_and_launch": 2.8, "detokenize": 0.31, "all_step_work": 4.2} if not cpu else
                  {"detokenize": 0.52, "schedule_and_prepare": 6.1, "wait_for_device": 986.0}),
         kernels=kernels,
         notes=notes,

@@ -353,6 +353,8 @@ class Engine:
             pending.host_tokens.copy_(pending.tokens, non_blocking=True)
             pending.copied = torch.cuda.Event()
             pending.copied.record()
+        if step is not None:
+            step.t_launched_ns = time.perf_counter_ns()
         for o in self.observers:
             o.on_launched(step)
         return pending

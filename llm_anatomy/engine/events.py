@@ -20,7 +20,8 @@ class Step:
     query_lens: list[int]  # tokens forwarded, per sequence
     context_lens: list[int]  # per sequence, after this step
     t_start_ns: int  # the step began (scheduling)
-    t_launch_ns: int = 0  # inputs prepared, the forward about to be launched
+    t_launch_ns: int = 0  # scheduled, the forward about to be launched
+    t_launched_ns: int = 0  # the step's device work (forward, sampling, token copy) is queued
     t_sampled_ns: int = 0  # the sampled tokens are on the host
     t_end_ns: int = 0  # tokens appended, detokenized, stop conditions checked
     detokenize_ns: int = 0  # part of [t_sampled, t_end] spent detokenizing
@@ -31,6 +32,12 @@ class Step:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
+
+    @property
+    def host_work_ns(self) -> int:
+        """Host time spent on this step itself (scheduling, inputs, launch, detokenizing, stop checks), not
+        waiting for the device nor, with lookahead, completing the step before it."""
+        return (self.t_launched_ns - self.t_start_ns) + (self.t_end_ns - self.t_sampled_ns)
 
 
 class Observer(Protocol):

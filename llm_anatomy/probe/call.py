@@ -121,7 +121,8 @@ def build_anatomy(engine: Engine, request: CallRequest, result: GenerationResult
     t_parse, t_template, t_tokenize, t_queue, t_end = (clock.ms(t) for t in marks)
     prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
     prefill = prefill_record(rec, prefill_step, engine, ceilings)
-    steps, costs, _ = decode_records(rec, decode_steps_raw, engine, ceilings, token_text(engine))
+    steps, costs, _ = decode_records(rec, decode_steps_raw, engine, ceilings, token_text(engine),
+                                     prefill_step.step.t_end_ns)
     token_times = [clock.ms(r.step.t_end_ns) for r in rec.steps]
     ttft = token_times[0]
     e2e = t_end
@@ -165,9 +166,10 @@ def build_anatomy(engine: Engine, request: CallRequest, result: GenerationResult
         phases=phases, ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
         prefill=prefill, decode_steps=steps, decode=decode_summary(steps, costs, itl, ceilings), kv_cache=kv,
         memory=memory, ceilings=ceilings, telemetry=tele, gpu_samples=gpu_samples,
-        host_ms={"detokenize": detokenize_ms,
-                 "schedule_and_prepare": sum((r.step.t_launch_ns - r.step.t_start_ns) for r in rec.steps) / 1e6,
-                 "wait_for_device": sum((r.step.t_sampled_ns - r.step.t_launch_ns) for r in rec.steps) / 1e6},
+        host_ms={"schedule": sum(r.step.t_launch_ns - r.step.t_start_ns for r in rec.steps) / 1e6,
+                 "prepare_and_launch": sum(r.step.t_launched_ns - r.step.t_launch_ns for r in rec.steps) / 1e6,
+                 "detokenize": detokenize_ms,
+                 "all_step_work": sum(r.step.host_work_ns for r in rec.steps) / 1e6},
         notes=notes,
     )
 

@@ -190,24 +190,27 @@ def prefill_record(rec: RequestRecorder, r: StepRecord, engine, ceilings: Ceilin
     device_ms = rec.device_ms(r)
     wall_ms = (r.step.t_sampled_ns - r.step.t_start_ns) / 1e6
     line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
-    return PrefillRecord(r.step.num_tokens, device_ms, (r.step.t_end_ns - r.step.t_start_ns) / 1e6,
+    return PrefillRecord(r.step.num_tokens, device_ms, r.step.host_work_ns / 1e6,
                          rec.clock.ms(r.step.t_start_ns), cost.flops, cost.bytes, line.mfu, line.mbu, line,
                          cost.parts)
 
 
 def decode_records(rec: RequestRecorder, records: list[StepRecord], engine, ceilings: Ceilings,
-                   token_text) -> tuple[list[DecodeStep], list[Cost], list[Roofline]]:
+                   token_text, previous_end_ns: int) -> tuple[list[DecodeStep], list[Cost], list[Roofline]]:
+    """A step's wall time is its inter-token latency: from the previous token on the host to its own (with
+    lookahead a step is launched before the one ahead of it completes, so launch-to-end would count twice)."""
     steps, costs, lines = [], [], []
     for i, r in enumerate(records, start=1):
         cost = decode_cost(engine.config, engine.dtype, r.step.context_lens)
         device_ms = rec.device_ms(r)
-        wall_ms = (r.step.t_end_ns - r.step.t_start_ns) / 1e6
+        wall_ms = (r.step.t_end_ns - previous_end_ns) / 1e6
+        previous_end_ns = r.step.t_end_ns
         line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
         token = r.step.tokens[[s.request_id for s in r.step.seqs].index(rec.request_id)]
         steps.append(DecodeStep(i, rec.clock.ms(r.step.t_start_ns), rec.clock.ms(r.step.t_end_ns), device_ms,
-                                wall_ms, r.context_len, r.batch_size, token, token_text(token), cost.flops,
-                                cost.bytes, cost.part("kv_read", "bytes"), line.mbu, line.mfu, line.bound.kind,
-                                r.others))
+                                r.step.host_work_ns / 1e6, r.context_len, r.batch_size, token, token_text(token),
+                                cost.flops, cost.bytes, cost.part("kv_read", "bytes"), line.mbu, line.mfu,
+                                line.bound.kind, r.others))
         costs.append(cost)
         lines.append(line)
     return steps, costs, lines

@@ -187,10 +187,15 @@ def _steps_figure(a: Anatomy) -> go.Figure | None:
                              customdata=custom, line=dict(color="#1e88e5"),
                              hovertemplate="step %{customdata[0]}: %{y:.3f} ms GPU<br>context %{x}, batch "
                                            "%{customdata[2]}<br>token %{customdata[1]}<extra></extra>"))
-    fig.add_trace(go.Scatter(x=x, y=[_f(s.host_ms) for s in steps], mode="lines+markers", name="host ms (whole step)",
-                             customdata=custom, line=dict(color="#fb8c00"),
-                             hovertemplate="step %{customdata[0]}: %{y:.3f} ms host<br>context %{x}<br>"
-                                           "token %{customdata[1]}<extra></extra>"))
+    itl = list(a.itl_ms)[:len(steps)]  # itl_ms[i] is the wait for decode step i + 1's token
+    fig.add_trace(go.Scatter(x=x[:len(itl)], y=[_f(v) for v in itl], mode="lines+markers",
+                             name="inter-token latency", customdata=custom, line=dict(color="#fb8c00"),
+                             hovertemplate="step %{customdata[0]}: %{y:.3f} ms since the previous token<br>"
+                                           "context %{x}<br>token %{customdata[1]}<extra></extra>"))
+    fig.add_trace(go.Scatter(x=x, y=[_f(s.host_ms) for s in steps], mode="lines", name="host work",
+                             customdata=custom, line=dict(color="#8e24aa", dash="dot"),
+                             hovertemplate="step %{customdata[0]}: %{y:.3f} ms of host work<br>context %{x}"
+                                           "<extra></extra>"))
     fig.update_layout(**_base_layout("Decode step latency against context length"),
                       xaxis=dict(title="context length (tokens attended to)"),
                       yaxis=dict(title="ms per step", rangemode="tozero"))

@@ -76,15 +76,15 @@ def render(a: Anatomy, console: Console | None = None) -> None:
     pf = a.prefill
     line = pf.roofline
     c.print()
-    c.print(f"[bold]Prefill[/bold]  {pf.tokens} tokens in {pf.ms:.3f} ms on the device ({pf.host_ms:.3f} ms host): "
+    c.print(f"[bold]Prefill[/bold]  {pf.tokens} tokens in {pf.ms:.3f} ms on the device ({pf.host_ms:.3f} ms host work): "
             f"{pf.flops / 1e12:.3f} TFLOP, {gb(pf.bytes)} → {rate(line)}; MFU {pct(line.mfu)} measured, "
             f"{pct(line.mfu_datasheet)} datasheet")
     c.print(f"         [bold]{line.bound.kind}-bound[/bold]: {line.bound.why}")
     if a.decode:
         dc = a.decode
         line = dc.roofline
-        c.print(f"[bold]Decode[/bold]   {dc.steps} steps, median {dc.gpu_ms_median:.3f} ms device / "
-                f"{dc.host_ms_median:.3f} ms host per step; {gb(dc.bytes_per_step_median)} read+written per step "
+        c.print(f"[bold]Decode[/bold]   {dc.steps} steps, median {dc.gpu_ms_median:.3f} ms on the device and "
+                f"{dc.host_ms_median:.3f} ms of host work per step; {gb(dc.bytes_per_step_median)} moved per step "
                 f"→ {line.achieved_gbps:.0f} GB/s; MBU {pct(line.mbu)} measured, {pct(line.mbu_datasheet)} datasheet")
         c.print(f"         [bold]{line.bound.kind}-bound[/bold]: {line.bound.why}; the KV cache is "
                 f"{pct(dc.kv_share_of_bytes)} of the bytes a median step moves")
