@@ -140,9 +140,10 @@ def cmd_call(args) -> int:
                           enable_thinking=not args.no_thinking, sampling=sampling)
     result, anatomy = measure_call(engine, request, ceilings, device_why=why, use_telemetry=not args.no_telemetry)
     if args.kernels:
-        from .probe.kernels import profile_kernels
+        from .probe.kernels import REPLAY_NOTE, profile_kernels
 
         anatomy.kernels = profile_kernels(engine, result.prompt_token_ids, sampling)
+        anatomy.notes.append(REPLAY_NOTE)
     _write_outputs(anatomy, args)
     return 0
 

@@ -7,6 +7,7 @@ library kernels (cuBLAS, cuDNN, ATen elementwise) are matched by the patterns be
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import defaultdict
 
@@ -59,12 +60,44 @@ def _breakdown(prof, phase: str, steps: int, cuda: bool) -> KernelBreakdown:
                            [{"name": n[:160], "ms": t, "count": c, "category": categorize(n)} for n, (t, c) in top])
 
 
+REPLAY_NOTE = ("Kernel times come from a profiled replay of the prompt (prefill + 8 decode steps), launched eagerly: "
+               "no CUDA graphs and no programmatic dependent launch, so that each kernel's time is its own (with "
+               "early launch a kernel's span would include waiting for its predecessor); the gaps between "
+               "launches are not in these figures.")
+
+
+@contextlib.contextmanager
+def eager_launches(engine: Engine):
+    """Run the engine without its CUDA graphs and without programmatic dependent launch, then restore both."""
+    runner = engine.runner
+    graphs, prefill_graphs = runner.graphs, runner.prefill_graphs
+    pdl = None
+    if engine.pdl:
+        from ..kernels.pdl import PDL
+
+        pdl, PDL.on = PDL, False
+    runner.graphs, runner.prefill_graphs = {}, {}
+    try:
+        yield
+    finally:
+        runner.graphs, runner.prefill_graphs = graphs, prefill_graphs
+        if pdl is not None:
+            pdl.on = True
+
+
 def profile_kernels(engine: Engine, prompt_token_ids: list[int], sampling: dict, decode_steps: int = 8
                     ) -> list[KernelBreakdown]:
     """Replay the prompt: profile the prefill step, then `decode_steps` decode steps."""
+    with eager_launches(engine):
+        return _profile(engine, prompt_token_ids, sampling, decode_steps)
+
+
+def _profile(engine: Engine, prompt_token_ids: list[int], sampling: dict, decode_steps: int
+             ) -> list[KernelBreakdown]:
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     params = engine.sampling_params(**{**sampling, "max_tokens": decode_steps + 1, "ignore_eos": True})
+    lookahead, engine.lookahead = engine.lookahead, False  # keep the prefill's profile to the prefill
     seq = engine.add_request(list(prompt_token_ids), params)
     out = []
     try:
@@ -83,4 +116,5 @@ def profile_kernels(engine: Engine, prompt_token_ids: list[int], sampling: dict,
         out.append(_breakdown(prof, "decode", steps, cuda))
     finally:
         engine.abort(seq)
+        engine.lookahead = lookahead
     return out
