@@ -95,3 +95,14 @@ def test_invalid_values_are_rejected_with_the_field_named(field, value, message)
     with pytest.raises(RequestError, match=message) as info:
         SamplingParams(**{field: value})
     assert info.value.param == field
+
+
+def test_top_k_then_top_p_on_the_k_best():
+    """top-k first, then top-p over the renormalised k best (the order HF and vLLM use)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    freq = draw(probs.log().tolist(), SamplingParams(temperature=1.0, top_k=3, top_p=0.75), n=8000)
+    assert freq[2:].sum() == 0  # within the top 3: 0.5/0.95 < 0.75 <= 0.8/0.95, so two tokens stay
+    assert abs(freq[0] - 0.625) < 0.03
+    mixed = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.6)]
+    tokens = Sampler(CPU, seed=1)(torch.tensor([probs.log().tolist()] * 2), mixed, [None, None], [None, None])
+    assert tokens[0] in (0, 1) and tokens[1] in (0, 1)

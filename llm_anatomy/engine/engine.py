@@ -152,6 +152,8 @@ class Engine:
                 self.runner = ModelRunner(model, self.pool, device)
                 self.runner.capture(max_num_seqs, self.max_model_len)
         self.sampler = Sampler(device, seed)
+        if device.type == "cuda":
+            self.sampler.warmup(config.vocab_size)
         self.observers: list[Observer] = []
         self._ids = itertools.count()
         self._steps = itertools.count()

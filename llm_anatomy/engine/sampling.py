@@ -70,6 +70,24 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+@dataclass
+class _RowParams:
+    """A batch's per-row sampling values as device tensors, built once per distinct set of values (through
+    pinned memory, without a sync: building them from Python lists each step would wait for the step in
+    flight)."""
+
+    temperature: torch.Tensor  # [rows, 1]; 1 for greedy rows
+    greedy: torch.Tensor  # [rows] bool
+    top_k: torch.Tensor  # [rows, 1]; k_max for rows without top-k
+    k_max: int  # 0: no row uses top-k
+    k_all: bool  # every row uses top-k: top-p and min-p can work on the k best alone
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    frequency: torch.Tensor | None
+    presence: torch.Tensor | None
+    pinned: list  # the host tensors the copies read from, kept alive
+
+
 class Sampler:
     """Samples one token per row of logits. Rows carry their own parameters and, if seeded, generators."""
 
@@ -80,47 +98,94 @@ class Sampler:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
+        self._cache: dict[tuple, _RowParams] = {}
+
+    def _rows(self, params: list[SamplingParams]) -> _RowParams:
+        key = tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.frequency_penalty, p.presence_penalty)
+                    for p in params)
+        rows = self._cache.get(key)
+        if rows is not None:
+            return rows
+        if len(self._cache) > 256:
+            self._cache.clear()
+        pinned = []
+
+        def dev(values, dtype=torch.float32, column=True):
+            host = torch.tensor(values, dtype=dtype)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            pinned.append(host)
+            t = host.to(self.device, non_blocking=True)
+            return t[:, None] if column else t
+
+        ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+        k_max = max(ks)
+        rows = _RowParams(
+            temperature=dev([p.temperature if not p.greedy else 1.0 for p in params]),
+            greedy=dev([p.greedy for p in params], torch.bool, column=False),
+            top_k=dev([k or k_max for k in ks], torch.int64), k_max=k_max, k_all=all(ks),
+            top_p=dev([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
+            min_p=dev([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
+            frequency=dev([p.frequency_penalty for p in params]) if any(p.uses_penalties for p in params) else None,
+            presence=dev([p.presence_penalty for p in params]) if any(p.uses_penalties for p in params) else None,
+            pinned=pinned)
+        self._cache[key] = rows
+        return rows
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], output_counts: list[torch.Tensor | None]) -> torch.Tensor:
         """logits: [rows, vocab] float32 -> next token ids [rows] (int64, on the device)."""
-        rows = logits.shape[0]
         if all(p.greedy and not p.uses_penalties for p in params):
             return logits.argmax(dim=-1)
-        dev = logits.device
-        if any(p.uses_penalties for p in params):
+        r = self._rows(params)
+        if r.frequency is not None:
             counts = torch.stack([c.float() if c is not None else torch.zeros_like(logits[0]) for c in output_counts])
-            freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-            pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-            logits = logits - freq * counts - pres * (counts > 0).float()
-        greedy_rows = torch.tensor([p.greedy for p in params], device=dev)
+            logits = logits - r.frequency * counts - r.presence * (counts > 0).float()
         greedy_tokens = logits.argmax(dim=-1)
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)[:, None]
-        logits = logits / temperature
+        logits = logits / r.temperature
+        if r.k_all:
+            # Every row keeps at most k tokens: the k best (sorted) are all that top-p and min-p can keep.
+            values, ids = logits.topk(min(r.k_max, logits.shape[-1]), dim=-1)
+            rank = torch.arange(values.shape[-1], device=logits.device)
+            values = values.masked_fill(rank[None, :] >= r.top_k, float("-inf"))
+            probs = self._filter(values.softmax(dim=-1), r, is_sorted=True)
+            choice = self._draw(probs, generators)
+            sampled = ids.gather(1, choice[:, None]).squeeze(1)
+        else:
+            if r.k_max:
+                kth = logits.topk(min(r.k_max, logits.shape[-1]), dim=-1).values
+                threshold = kth.gather(1, r.top_k.clamp(max=kth.shape[-1]) - 1)
+                logits = logits.masked_fill(logits < threshold, float("-inf"))
+            sampled = self._draw(self._filter(logits.softmax(dim=-1), r, is_sorted=False), generators)
+        return torch.where(r.greedy, greedy_tokens, sampled)
 
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        if any(top_k):
-            k_max = max(top_k)
-            kth = logits.topk(min(k_max, logits.shape[-1]), dim=-1).values  # [rows, k_max], descending
-            ks = torch.tensor([k if k else k_max for k in top_k], device=dev).clamp(max=kth.shape[-1])
-            threshold = kth.gather(1, (ks - 1)[:, None])
-            disabled = torch.tensor([k == 0 for k in top_k], device=dev)[:, None]
-            logits = logits.masked_fill((logits < threshold) & ~disabled, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
-            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    @staticmethod
+    def _filter(probs: torch.Tensor, r: _RowParams, is_sorted: bool) -> torch.Tensor:
+        """Top-p (the smallest prefix of the sorted distribution whose mass reaches p), then min-p."""
+        if r.top_p is not None:
+            sorted_probs, order = (probs, None) if is_sorted else probs.sort(dim=-1, descending=True)
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= r.top_p  # mass before it already >= p
+            drop = drop_sorted if is_sorted else torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
-            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        if r.min_p is not None:
+            probs = probs.masked_fill(probs < r.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
 
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """argmax(probs / Exponential(1)) samples from probs (the exponential race); no host sync."""
         noise = torch.empty_like(probs)
-        for i in range(rows):
+        for i in range(probs.shape[0]):
             noise[i].exponential_(generator=generators[i] or self.generator)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a draw of exactly 0 would divide by zero
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy_rows, greedy_tokens, sampled)
+        return (probs / noise).argmax(dim=-1)
+
+    def warmup(self, vocab: int) -> None:
+        """Run every sampling path once, so that the first request does not pay for loading their kernels."""
+        logits = torch.randn(2, vocab, device=self.device)
+        gens = [torch.Generator(device=self.device).manual_seed(0), None]
+        for a, b in ((SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05), SamplingParams(top_k=5)),
+                     (SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, presence_penalty=0.5),
+                      SamplingParams(temperature=0))):
+            counts = torch.zeros(vocab, dtype=torch.int32, device=self.device)
+            self(logits, [a, b], gens, [counts, None])
+        self._cache.clear()

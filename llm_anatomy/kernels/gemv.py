@@ -33,7 +33,7 @@ def _dot(x, w, IEEE: tl.constexpr):
     return tl.dot(x, tl.trans(w))
 
 
-@triton.autotune(configs=CONFIGS, key=["M_PAD", "N", "K", "GATED", "USE_PDL"])
+@triton.autotune(configs=CONFIGS, key=["M_PAD", "N", "K", "GATED"])  # the best tile is the same with PDL
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
                  K: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,

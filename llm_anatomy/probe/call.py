@@ -66,8 +66,8 @@ def token_text(engine: Engine):
 
 
 def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_start_ns: int | None = None,
-                 device_why: str = "", telemetry_hz: float = 100.0, use_telemetry: bool = True,
-                 graph_bytes: int = 0) -> tuple[GenerationResult, Anatomy]:
+                 device_why: str = "", telemetry_hz: float = 100.0, use_telemetry: bool = True
+                 ) -> tuple[GenerationResult, Anatomy]:
     """Run the request alone on the engine and measure it. `t_start_ns` is when the call was received
     (parsing happened between then and now); by default, now."""
     available, note = nvml_status(engine.device) if use_telemetry else (False, "telemetry turned off")
@@ -111,7 +111,7 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
     samples = sampler.stop() if sampler is not None else []
     result = engine.result(seq, prompt_text)
     return result, build_anatomy(engine, request, result, recorder, clock, ceilings, samples, available, note,
-                                 telemetry_hz, device_why, activation_peak, graph_bytes,
+                                 telemetry_hz, device_why, activation_peak, engine.runner.graph_bytes,
                                  (t_parse_start, t_template, t_tokenize, t_queue, t_end), seq)
 
 
