@@ -656,7 +656,7 @@ _TEMPLATE = r"""{% macro step_row(r) %}
   <h2>GPU telemetry</h2>
   {% if charts.power or charts.clocks %}
   <p class="why">Power, energy and clocks sampled while the call ran; shaded bands are prefill and decode.</p>
-    <p class="why">{{ a.telemetry.note }}{% if a.telemetry.sample_hz %} ({{ a.telemetry.sample_hz }} Hz{% if a.telemetry.counter_update_ms %}, energy counter updates every {{ a.telemetry.counter_update_ms }} ms{% endif %}){% endif %}</p>
+    <p class="why">{{ a.telemetry.note }}{% if a.telemetry.counter_update_ms %}; the energy counter updated every {{ '%.0f' % a.telemetry.counter_update_ms }} ms{% endif %}. NVML's power reading is an average that lags the load; energy comes from the counter.</p>
     {% if charts.power %}<div class="chart" id="chart-power"></div>{% endif %}
     {% if charts.clocks %}<div class="chart" id="chart-clocks"></div>{% endif %}
   {% else %}

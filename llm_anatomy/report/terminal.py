@@ -122,7 +122,10 @@ def render(a: Anatomy, console: Console | None = None) -> None:
         power = [s.power_w for s in a.gpu_samples if s.power_w is not None]
         clocks = [s.sm_clock_mhz for s in a.gpu_samples if s.sm_clock_mhz]
         throttles = sorted({r for s in a.gpu_samples for r in s.throttle} - {"gpu_idle"})
-        c.print(f"[bold]GPU[/bold]      {t.note}; power median {statistics.median(power):.0f} W (max {max(power):.0f}); "
+        whole = next((e for e in t.energy if e.phase == "call"), None)
+        mean = f"mean power {whole.joules / (a.e2e_ms / 1e3):.0f} W from the energy counter; " if whole else ""
+        c.print(f"[bold]GPU[/bold]      {t.note}; {mean}NVML's lagging power average: median "
+                f"{statistics.median(power):.0f} W (max {max(power):.0f}); "
                 f"SM clock median {statistics.median(clocks):.0f} MHz (min {min(clocks)}); "
                 f"throttle reasons seen: {', '.join(throttles) or 'none'}" if power and clocks else
                 f"[bold]GPU[/bold]      {t.note}; no samples")
