@@ -23,8 +23,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llm_anatomy import Engine  # noqa: E402
-from llm_anatomy.anatomy import Ceilings  # noqa: E402
-from llm_anatomy.models.attention import AttentionBatch  # noqa: E402
 from llm_anatomy.models.loader import hf_state_dict  # noqa: E402
 from llm_anatomy.probe.call import CallRequest, measure_call  # noqa: E402
 from llm_anatomy.probe.ceilings import calibrate  # noqa: E402

@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 from markupsafe import Markup
 from plotly.offline import get_plotlyjs
 
+from llm_anatomy.report import finite
 from llm_anatomy.anatomy import Anatomy, GpuSample
 
 STEP_ROWS = 20  # the per-step table shows the first and last STEP_ROWS steps when there are more than 2x that
@@ -36,15 +37,7 @@ CHART_CONFIG = {"displaylogo": False, "responsive": True}
 
 # ----------------------------------------------------------------------------- formatting helpers
 
-def _f(x: Any) -> float | None:
-    """A finite float, or None (for charts and JSON: no NaN or infinity)."""
-    if x is None or isinstance(x, bool):
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
+_f = finite
 
 
 def _ms(x: Any) -> str:

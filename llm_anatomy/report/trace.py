@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from llm_anatomy.report import finite
 from llm_anatomy.anatomy import Anatomy
 
 PID = 1
@@ -25,14 +26,7 @@ TID_GPU = 2
 TID_COUNTERS = 0  # counters are per process; tid is ignored by viewers but kept for validity
 
 
-def _finite(x: Any) -> float | None:
-    if x is None or isinstance(x, bool):
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
+_finite = finite
 
 
 def _us(ms: Any) -> float | None:
