@@ -114,6 +114,8 @@ def cmd_call(args) -> int:
 
     messages = _messages(args)
     sampling = _sampling(args)
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        raise AnatomyError(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
     device = parse_device(args.device)
     why = f"asked for (--device {args.device})" if args.device else (
         "default: a CUDA GPU was found" if device.type == "cuda" else "default: no CUDA GPU on this machine")

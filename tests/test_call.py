@@ -139,6 +139,8 @@ def test_cli_default_model_on_the_cpu(capsys, caplog):
     (["--raw-prompt", "--system", "x"], "--raw-prompt sends PROMPT as is"),
     (["--device", "cuda:7"], "cuda"),
     (["--dtype", "int3"], "unknown dtype"),
+    (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be >= 1"),
+    (["--weights", "/no/such/dir"], "is not a directory"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run_cli(capsys, "call", "hi", "--no-calibrate", *argv)
