@@ -316,7 +316,7 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
         telemetry=telemetry,
         gpu_samples=samples,
         host_ms=({"schedule": 1.1, "prepare_and_launch": 2.8, "detokenize": 0.31, "all_step_work": 4.2} if not cpu else
-                 {"detokenize": 0.52, "schedule_and_prepare": 6.1, "wait_for_device": 986.0}),
+                 {"schedule": 0.9, "prepare_and_launch": 5.2, "detokenize": 0.52, "all_step_work": 6.6}),
         kernels=kernels,
         notes=notes,
         id="call-0001" if not cpu else "call-cpu-0001",

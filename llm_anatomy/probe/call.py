@@ -121,7 +121,7 @@ def build_anatomy(engine: Engine, request: CallRequest, result: GenerationResult
     t_parse, t_template, t_tokenize, t_queue, t_end = (clock.ms(t) for t in marks)
     prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
     prefill = prefill_record(rec, prefill_step, engine, ceilings)
-    steps, costs, _ = decode_records(rec, decode_steps_raw, engine, ceilings, token_text(engine),
+    steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, token_text(engine),
                                      prefill_step.step.t_end_ns)
     token_times = [clock.ms(r.step.t_end_ns) for r in rec.steps]
     ttft = token_times[0]

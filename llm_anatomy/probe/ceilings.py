@@ -24,7 +24,6 @@ import os
 import platform
 import re
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -678,25 +677,3 @@ def format_ceilings(c: Ceilings) -> str:
                  else "  datasheet: none for this device (only measured ceilings)")
     return "\n".join(lines)
 
-
-def _main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Measure (or read cached) device ceilings.")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--recalibrate", action="store_true")
-    parser.add_argument("--no-cache", action="store_true", help="measure, and neither read nor write the cache")
-    args = parser.parse_args(argv)
-    t0 = time.perf_counter()
-    if args.no_cache:
-        c = calibrate(args.device, quick=args.quick)
-    else:
-        c = load_or_calibrate(args.device, recalibrate=args.recalibrate, quick=args.quick)
-    print(format_ceilings(c))
-    print(f"  ({time.perf_counter() - t0:.1f} s)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

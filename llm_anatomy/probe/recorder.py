@@ -196,10 +196,10 @@ def prefill_record(rec: RequestRecorder, r: StepRecord, engine, ceilings: Ceilin
 
 
 def decode_records(rec: RequestRecorder, records: list[StepRecord], engine, ceilings: Ceilings,
-                   token_text, previous_end_ns: int) -> tuple[list[DecodeStep], list[Cost], list[Roofline]]:
+                   token_text, previous_end_ns: int) -> tuple[list[DecodeStep], list[Cost]]:
     """A step's wall time is its inter-token latency: from the previous token on the host to its own (with
     lookahead a step is launched before the one ahead of it completes, so launch-to-end would count twice)."""
-    steps, costs, lines = [], [], []
+    steps, costs = [], []
     for i, r in enumerate(records, start=1):
         cost = decode_cost(engine.config, engine.dtype, r.step.context_lens)
         device_ms = rec.device_ms(r)
@@ -212,8 +212,7 @@ def decode_records(rec: RequestRecorder, records: list[StepRecord], engine, ceil
                                 cost.flops, cost.bytes, cost.part("kv_read", "bytes"), line.mbu, line.mfu,
                                 line.bound.kind, r.others))
         costs.append(cost)
-        lines.append(line)
-    return steps, costs, lines
+    return steps, costs
 
 
 def decode_summary(steps: list[DecodeStep], costs: list[Cost], itl: list[float], ceilings: Ceilings
