@@ -156,3 +156,18 @@ def test_lookahead_recorder_sees_every_step(save_tiny):
                                                                                        ignore_eos=True)), ceilings)
     assert len(a.decode_steps) == 8 and [s.context_len for s in a.decode_steps] == list(range(4, 12))
     assert [s.token_id for s in a.decode_steps] == a.output_token_ids[1:]
+
+
+def test_bad_engine_arguments(save_tiny, monkeypatch):
+    from llm_anatomy.errors import AnatomyError
+    import llm_anatomy.engine.engine as engine_module
+
+    directory, _ = save_tiny()
+    kw = dict(device="cpu", dtype=torch.float32)
+    with pytest.raises(AnatomyError, match="max_model_len must be in 1..512"):
+        Engine.from_pretrained(directory, max_model_len=1000, kv_cache_tokens=64, **kw)
+    with pytest.raises(AnatomyError, match="kv_cache_tokens must be >= 1"):
+        Engine.from_pretrained(directory, kv_cache_tokens=0, **kw)
+    monkeypatch.setattr(engine_module, "use_kernels", lambda device: False)
+    with pytest.raises(AnatomyError, match="fast_path needs Triton and a CUDA device"):
+        Engine.from_pretrained(directory, fast_path=True, kv_cache_tokens=64, **kw)
