@@ -66,6 +66,8 @@ class PrefillRecord:
     mbu: float | None
     roofline: Roofline
     cost_breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+    batch_size: int = 1  # sequences prefilled in the same step (flops, bytes and times are the step's)
+    others: list[str] = field(default_factory=list)  # the other requests in that step
 
 
 @dataclass
@@ -99,6 +101,29 @@ class DecodeSummary:
     bytes_per_step_median: float
     kv_share_of_bytes: float  # fraction of a median step's bytes that are KV reads
     roofline: Roofline | None
+
+
+@dataclass
+class Stall:
+    """A step that ran other requests' prefill while this request was running and so got no token."""
+
+    start_ms: float
+    gpu_ms: float
+    requests: list[str]
+    tokens: int
+
+
+@dataclass
+class BatchingRecord:
+    """How the request shared the engine: continuous batching puts several requests in one step."""
+
+    queue_ms: float  # from being queued to its first step
+    max_batch_size: int
+    mean_batch_size: float  # over the steps that produced its tokens
+    preemptions: int  # times its KV blocks were taken back and it was recomputed
+    co_scheduled: dict[str, int] = field(default_factory=dict)  # other request id -> steps shared, most first
+    stalls: list[Stall] = field(default_factory=list)
+    stall_ms: float = 0.0  # device time of those stalls: added to its latency by others
 
 
 @dataclass
@@ -257,6 +282,7 @@ class Anatomy:
     gpu_samples: list[GpuSample]  # telemetry samples (empty when telemetry.available is false)
     host_ms: dict[str, float] = field(default_factory=dict)  # host work summed over the call's steps
     kernels: list[KernelBreakdown] = field(default_factory=list)
+    batching: BatchingRecord | None = None
     notes: list[str] = field(default_factory=list)
     id: str = ""
     started_at_unix: float = 0.0
@@ -266,6 +292,31 @@ class Anatomy:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def summary(self) -> dict:
+        """The headline numbers, small enough to ride along with an API response (the server's `anatomy`
+        field); the full record is at `url`."""
+        d, b = self.decode, self.batching
+        call_energy = next((e for e in self.telemetry.energy if e.phase == "call"), None)
+        return {
+            "id": self.id, "url": f"/v1/anatomy/{self.id}", "html": f"/anatomy/{self.id}",
+            "weights": self.weights.kind, "notes": self.notes,
+            "prompt_tokens": len(self.prompt_token_ids), "output_tokens": len(self.output_token_ids),
+            "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2e_ms": self.e2e_ms,
+            "queue_ms": next((p.end_ms - p.start_ms for p in self.phases if p.name == "queue"), None),
+            "prefill": {"tokens": self.prefill.tokens, "gpu_ms": self.prefill.ms, "mfu": self.prefill.mfu,
+                        "batch_size": self.prefill.batch_size, "bound": self.prefill.roofline.bound.kind},
+            "decode": None if d is None else {
+                "steps": d.steps, "tokens_per_s": d.tokens_per_s, "gpu_ms_median": d.gpu_ms_median,
+                "itl_ms_median": d.itl_ms_median, "mbu": d.roofline.mbu if d.roofline else None,
+                "bound": d.roofline.bound.kind if d.roofline else None},
+            "kv_cache": {"bytes_per_token": self.kv_cache.bytes_per_token, "tokens": self.kv_cache.tokens,
+                         "bytes_used": self.kv_cache.bytes_used},
+            "batching": None if b is None else {
+                "max_batch_size": b.max_batch_size, "mean_batch_size": b.mean_batch_size,
+                "co_scheduled_requests": len(b.co_scheduled), "stall_ms": b.stall_ms, "preemptions": b.preemptions},
+            "energy_j": call_energy.joules if call_energy else None,
+        }
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)

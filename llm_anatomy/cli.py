@@ -1,10 +1,12 @@
-"""The commands: call (one measured chat completion), calibrate (this device's ceilings), report (re-render)."""
+"""The commands: call (one measured chat completion), serve (an OpenAI-compatible server that measures every
+call), calibrate (this device's ceilings), report (re-render a saved anatomy)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -56,6 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-calibrate", action="store_true",
                    help="do not measure this device's ceilings if none are cached (datasheet only)")
     o.add_argument("--quiet", action="store_true", help="no terminal report")
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server; every response carries its own anatomy")
+    srv.add_argument("model_name", nargs="?", metavar="MODEL", help="as --model")
+    _add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=os.environ.get("LLM_ANATOMY_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on every route but /health "
+                          "(default: $LLM_ANATOMY_API_KEY, else no key)")
+    srv.add_argument("--served-model-name", action="append", default=[],
+                     help="the name clients give as `model` (repeatable; default: the model's name)")
+    srv.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default 64)")
+    srv.add_argument("--max-model-len", type=int, help="context limit per request (default: the model's)")
+    srv.add_argument("--gpu-memory-utilization", type=float,
+                     help="on a GPU, the fraction of its memory to use, the KV pool taking what the rest leaves "
+                          "(default 0.9); or size the pool with --kv-cache-tokens")
+    srv.add_argument("--run-dir", type=Path, default=Path("~/.cache/llm-anatomy/serve").expanduser(),
+                     help="where anatomies.jsonl is kept across restarts (default ~/.cache/llm-anatomy/serve)")
+    srv.add_argument("--keep-anatomies", type=int, default=1000, help="newest anatomies kept (default 1000)")
+    srv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body limit (default 4 MiB)")
+    srv.add_argument("--drain-timeout", type=float, default=120.0,
+                     help="on SIGTERM, seconds to let in-flight requests finish (default 120)")
+    srv.add_argument("--no-telemetry", action="store_true", help="do not sample GPU counters")
+    srv.add_argument("--no-calibrate", action="store_true",
+                     help="do not measure this device's ceilings if none are cached (datasheet only)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     cal = sub.add_parser("calibrate", help="measure this device's bandwidth and matmul ceilings, and cache them")
     cal.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if there is one)")
@@ -170,6 +198,45 @@ def _write_outputs(anatomy, args) -> None:
             print(f"wrote {what}: {getattr(args, what)}", file=sys.stderr)
 
 
+def cmd_serve(args) -> int:
+    from .engine.engine import Engine, parse_device
+    from .probe.ceilings import datasheet_ceilings, load_or_calibrate
+    from .server.app import serve
+
+    if args.model_name and args.model:
+        raise AnatomyError("give the model once: as MODEL or as --model")
+    for flag, value, low in (("--port", args.port, 0), ("--max-num-seqs", args.max_num_seqs, 1),
+                             ("--keep-anatomies", args.keep_anatomies, 1), ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--kv-cache-tokens", args.kv_cache_tokens, 1)):
+        if value is not None and value < low:
+            raise AnatomyError(f"{flag} must be >= {low}, got {value}")
+    if args.port > 65535:
+        raise AnatomyError(f"--port must be <= 65535, got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise AnatomyError("--api-key is empty; give a key, or leave it out to serve without one")
+    device = parse_device(args.device)
+    if args.gpu_memory_utilization is not None and (device.type != "cuda" or args.kv_cache_tokens is not None):
+        raise AnatomyError("--gpu-memory-utilization sizes the KV pool from GPU memory: it cannot be used "
+                           + ("on the CPU" if device.type != "cuda" else "with --kv-cache-tokens")
+                           + "; use --kv-cache-tokens")
+    why = f"asked for (--device {args.device})" if args.device else (
+        "default: a CUDA GPU was found" if device.type == "cuda" else "default: no CUDA GPU on this machine")
+    model = args.model_name or args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
+    engine = Engine.from_pretrained(model, device=device, dtype=args.dtype, weights=args.weights,
+                                    kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
+                                    max_num_seqs=args.max_num_seqs,
+                                    gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
+    ceilings = datasheet_ceilings(device) if args.no_calibrate else load_or_calibrate(device, quick=True)
+    names = tuple(args.served_model_name) or (engine.source.name,)
+    print(f"llm-anatomy: serving {names[0]} ({engine.weights.label}) on http://{args.host}:{args.port}/v1 "
+          f"- KV pool {engine.pool.capacity_tokens} tokens, anatomies in {args.run_dir}", file=sys.stderr, flush=True)
+    serve(engine, host=args.host, port=args.port, model_names=names, ceilings=ceilings, run_dir=args.run_dir,
+          keep_anatomies=args.keep_anatomies, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+          device_why=why, telemetry_hz=None if args.no_telemetry else 50.0, drain_timeout_s=args.drain_timeout,
+          log_level=args.log_level)
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from .engine.engine import parse_device
     from .probe.ceilings import format_ceilings, load_or_calibrate
@@ -196,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     try:
-        return {"call": cmd_call, "calibrate": cmd_calibrate, "report": cmd_report}[args.command](args)
+        return {"call": cmd_call, "serve": cmd_serve, "calibrate": cmd_calibrate,
+                "report": cmd_report}[args.command](args)
     except AnatomyError as e:
         print(f"llm-anatomy: error: {e}", file=sys.stderr)
         return 2

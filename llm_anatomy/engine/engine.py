@@ -265,9 +265,8 @@ class Engine:
             return self.tokenizer.encode(prompt), prompt
         return list(prompt_token_ids), None
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Sequence:
-        """Validate and queue one request; nothing runs until `step`."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The checks `add_request` makes, without queueing anything (a server runs them in its handlers)."""
         ids = list(prompt_token_ids)
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
@@ -285,11 +284,17 @@ class Engine:
             raise RequestError(
                 f"the prompt plus max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the pool holds "
                 f"{self.pool.capacity_tokens}; lower max_tokens or give the KV cache more memory", param="max_tokens")
+        return ids
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Sequence:
+        """Validate and queue one request; nothing runs until `step`."""
+        ids = self.check_request(prompt_token_ids, params)
         seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, BlockTable(self.pool))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.uses_penalties:
-            seq.output_counts = torch.zeros(vocab, dtype=torch.int32, device=self.device)
+            seq.output_counts = torch.zeros(self.config.vocab_size, dtype=torch.int32, device=self.device)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.scheduler.add(seq)
         for o in self.observers:
@@ -304,6 +309,10 @@ class Engine:
         self.scheduler.finish(seq, reason)
         for o in self.observers:
             o.on_finish(seq, time.perf_counter_ns())
+
+    def reset_pipeline(self) -> None:
+        """Forget a step launched ahead (after a step failed, its state cannot be trusted)."""
+        self._ahead = None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

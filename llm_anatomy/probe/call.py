@@ -16,7 +16,8 @@ from ..anatomy import Ceilings
 from .ceilings import device_name
 from .clock import Clock
 from .memory import census
-from .recorder import (RequestRecorder, decode_records, decode_summary, kv_record, prefill_record, telemetry)
+from .recorder import (Recorder, RequestTrace, batching_record, decode_records, decode_summary, kv_record,
+                       prefill_record, telemetry)
 from .telemetry import GpuTelemetry, nvml_status
 from ..tokenizer import validate_messages
 
@@ -65,6 +66,25 @@ def token_text(engine: Engine):
     return text
 
 
+@dataclass
+class Marks:
+    """Host instants (perf_counter_ns) of one call's front half, and its end."""
+
+    received: int  # the call arrived (parsing starts)
+    template: int
+    tokenize: int
+    queue: int  # handed to the engine
+    end: int = 0  # last token detokenized
+
+
+@dataclass
+class TelemetryWindow:
+    samples: list
+    available: bool
+    note: str
+    hz: float
+
+
 def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_start_ns: int | None = None,
                  device_why: str = "", telemetry_hz: float = 100.0, use_telemetry: bool = True
                  ) -> tuple[GenerationResult, Anatomy]:
@@ -80,27 +100,28 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
         resident = torch.cuda.memory_allocated(engine.device)
-    clock = Clock(engine.device, t0_ns=t_parse_start)
-    recorder = RequestRecorder(clock)
+    recorder = Recorder(Clock(engine.device, t0_ns=t_parse_start))
+    request_id = uuid.uuid4().hex[:16]
+    trace = recorder.watch(request_id)
     engine.observers.append(recorder)
     try:
         if request.messages is not None:
             validate_messages(request.messages)
         params = engine.sampling_params(**request.sampling)
-        t_template = clock.now_ns()
+        t_template = time.perf_counter_ns()
         prompt_text = None
         if request.messages is not None:
             prompt_text = engine.tokenizer.apply_chat_template(request.messages, enable_thinking=request.enable_thinking,
                                                                tools=request.tools)
         elif request.prompt is not None:
             prompt_text = request.prompt
-        t_tokenize = clock.now_ns()
+        marks = Marks(t_parse_start, t_template, time.perf_counter_ns(), 0)
         ids, _ = engine.render_prompt(request.prompt_token_ids, prompt_text)
-        t_queue = clock.now_ns()
-        seq = engine.add_request(ids, params)
+        marks.queue = time.perf_counter_ns()
+        seq = engine.add_request(ids, params, request_id=request_id)
         while not seq.finished:
             engine.step()
-        t_end = clock.now_ns()
+        marks.end = time.perf_counter_ns()
     finally:
         engine.observers.remove(recorder)
     if cuda:
@@ -110,19 +131,22 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
         activation_peak = None
     samples = sampler.stop() if sampler is not None else []
     result = engine.result(seq, prompt_text)
-    return result, build_anatomy(engine, request, result, recorder, clock, ceilings, samples, available, note,
-                                 telemetry_hz, device_why, activation_peak, engine.runner.graph_bytes,
-                                 (t_parse_start, t_template, t_tokenize, t_queue, t_end), seq)
+    return result, build_anatomy(engine, request.describe(), result, trace, ceilings,
+                                 TelemetryWindow(samples, available, note, telemetry_hz), device_why, marks,
+                                 activation_peak)
 
 
-def build_anatomy(engine: Engine, request: CallRequest, result: GenerationResult, rec: RequestRecorder, clock: Clock,
-                  ceilings: Ceilings, samples, telemetry_available: bool, telemetry_note: str, hz: float,
-                  device_why: str, activation_peak, graph_bytes: int, marks: tuple, seq) -> Anatomy:
-    t_parse, t_template, t_tokenize, t_queue, t_end = (clock.ms(t) for t in marks)
+def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: RequestTrace, ceilings: Ceilings,
+                  window: TelemetryWindow, device_why: str, marks: Marks, activation_peak: int | None = None,
+                  notes: list[str] | None = None) -> Anatomy:
+    """The Anatomy of one finished request from its trace. `request` is what was asked (shown as is)."""
+    clock = rec.clock
+    t_parse, t_template, t_tokenize, t_queue, t_end = (clock.ms(t) for t in (
+        marks.received, marks.template, marks.tokenize, marks.queue, marks.end))
     prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
     prefill = prefill_record(rec, prefill_step, engine, ceilings)
     steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, token_text(engine),
-                                     prefill_step.step.t_end_ns)
+                                  prefill_step.step.t_end_ns)
     token_times = [clock.ms(r.step.t_end_ns) for r in rec.steps]
     ttft = token_times[0]
     e2e = t_end
@@ -130,38 +154,50 @@ def build_anatomy(engine: Engine, request: CallRequest, result: GenerationResult
     itl = [b - a for a, b in zip(token_times, token_times[1:])]
     tpot = (token_times[-1] - ttft) / (n_out - 1) if n_out > 1 else None
     prefill_start = clock.ms(prefill_step.step.t_start_ns)
+    batching = batching_record(rec, prefill_start - t_queue)
+    batched = batching.max_batch_size > 1 or bool(batching.stalls)
     phases = [
         Phase("parse", t_parse, t_template, "validating the request and its sampling values"),
-        Phase("template", t_template, t_tokenize, "chat template (jinja2)" if request.messages else "no template"),
+        Phase("template", t_template, t_tokenize, "chat template (jinja2)" if request.get("messages") else "no template"),
         Phase("tokenize", t_tokenize, t_queue, f"{len(result.prompt_token_ids)} prompt tokens"),
         Phase("queue", t_queue, prefill_start, "waiting to be scheduled"),
-        Phase("prefill", prefill_start, ttft, f"{prefill.tokens} tokens, first token sampled and detokenized"),
+        Phase("prefill", prefill_start, ttft, f"{prefill.tokens} tokens, first token sampled and detokenized"
+              + (f" (a step of {prefill.batch_size} requests)" if prefill.batch_size > 1 else "")),
     ]
     if decode_steps_raw:
         phases.append(Phase("decode", clock.ms(decode_steps_raw[0].step.t_start_ns), token_times[-1],
-                            f"{len(steps)} steps, one token each"))
+                            f"{len(steps)} steps, one token each"
+                            + (f", in batches of up to {batching.max_batch_size}" if batched else "")))
     phases.append(Phase("e2e", 0.0, e2e, "the whole call"))
     detokenize_ms = sum(r.step.detokenize_ns for r in rec.steps) / 1e6
     spans = {"prefill": (prefill_start, ttft, prefill.tokens)}
     if steps:
         spans["decode"] = (steps[0].start_ms, steps[-1].end_ms, len(steps))
     spans["call"] = (0.0, e2e, n_out)
-    tele, gpu_samples = telemetry(samples, clock, telemetry_available, telemetry_note, hz, spans)
-    kv = kv_record(engine, rec, seq)
-    memory = census(engine.device, engine.weights.bytes, engine.pool.total_bytes, graph_bytes, activation_peak)
+    tele, gpu_samples = telemetry(window.samples, clock, window.available, window.note, window.hz, spans)
+    if batched:  # the device's energy over this request's time was spent on the other requests too
+        for record in tele.energy:
+            record.per_token_j = None
+            record.method += "; the whole device over this request's span, shared with the requests batched with it"
+    kv = kv_record(engine, rec, rec.seq)
+    memory = census(engine.device, engine.weights.bytes, engine.pool.total_bytes, engine.runner.graph_bytes,
+                    activation_peak)
     config = engine.config
-    notes = []
+    notes = list(notes or [])
     if engine.weights.kind == "synthetic":
         notes.append("Synthetic random weights: timings, memory, bytes and energy are those of the real model; "
                      "the text is not.")
+    if batched:
+        notes.append("Batched with other requests: prefill and decode flops, bytes and device times are those of "
+                     "whole steps, shared by every request in them (see batching).")
     return Anatomy(
-        id=uuid.uuid4().hex[:16], started_at_unix=time.time() - (time.perf_counter_ns() - clock.t0_ns) / 1e9,
+        id=rec.request_id, started_at_unix=time.time() - (time.perf_counter_ns() - clock.t0_ns) / 1e9,
         tool_version=__version__,
         model=ModelRecord(engine.source.name, config.to_hf(), str(engine.dtype).split(".")[-1],
                           engine.weights.num_parameters, engine.weights.bytes),
         weights=WeightsRecord(engine.weights.kind, engine.weights.source, engine.weights.label, engine.weights.seed),
         device=device_record(engine, device_why),
-        request=request.describe(), prompt_text=result.prompt_text, prompt_token_ids=result.prompt_token_ids,
+        request=request, prompt_text=result.prompt_text, prompt_token_ids=result.prompt_token_ids,
         output_token_ids=result.output_token_ids, text=result.text, finish_reason=result.finish_reason,
         phases=phases, ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
         prefill=prefill, decode_steps=steps, decode=decode_summary(steps, costs, itl, ceilings), kv_cache=kv,
@@ -170,6 +206,5 @@ def build_anatomy(engine: Engine, request: CallRequest, result: GenerationResult
                  "prepare_and_launch": sum(r.step.t_launched_ns - r.step.t_launch_ns for r in rec.steps) / 1e6,
                  "detokenize": detokenize_ms,
                  "all_step_work": sum(r.step.host_work_ns for r in rec.steps) / 1e6},
-        notes=notes,
+        batching=batching, notes=notes,
     )
-

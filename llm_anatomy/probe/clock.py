@@ -7,6 +7,7 @@ is the launch latency of the reference event (microseconds), far below anything 
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -22,6 +23,18 @@ class Clock:
             self._ref.record()
             self._ref_ns = time.perf_counter_ns()
         self.t0_ns = t0_ns if t0_ns is not None else time.perf_counter_ns()
+
+    def at(self, t0_ns: int) -> "Clock":
+        """The same clock (same device reference, no new sync) with its zero at `t0_ns`: one per request in a
+        server, where a sync per request would stall the steps in flight."""
+        other = copy.copy(self)
+        other.t0_ns = t0_ns
+        return other
+
+    @property
+    def age_s(self) -> float:
+        """Seconds since the device reference was taken (host and device clocks drift apart by ppm)."""
+        return (time.perf_counter_ns() - self._ref_ns) / 1e9 if self.cuda else 0.0
 
     def now_ns(self) -> int:
         return time.perf_counter_ns()

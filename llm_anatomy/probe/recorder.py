@@ -1,8 +1,9 @@
-"""Watches the engine for one request and turns what it saw into an Anatomy.
+"""Watches the engine for the requests it is asked to trace, and turns what it saw into Anatomy parts.
 
-`RequestRecorder` is an engine observer: during the call it only reads the host clock and records device
-events (no syncs, no allocation beyond small records). Everything else (event times, costs, rooflines,
-energy) is computed in `build` after the request has finished.
+`Recorder` is an engine observer: during a step it only reads the host clock and records one pair of device
+events per step, shared by every traced request in that step (a server traces every request; a pair per
+request would cost host time that grows with the batch). Everything else (event times, costs, rooflines,
+energy) is computed after a request has finished.
 """
 
 from __future__ import annotations
@@ -13,13 +14,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..anatomy import (Bound, Ceilings, DecodeStep, DecodeSummary, EnergyRecord, GpuSample, KVCacheRecord,
-                       PrefillRecord, Roofline, Telemetry)
+from ..anatomy import (BatchingRecord, Bound, Stall, Ceilings, DecodeStep, DecodeSummary, EnergyRecord, GpuSample,
+                       KVCacheRecord, PrefillRecord, Roofline, Telemetry)
 from ..engine.events import Step
-from ..engine.scheduler import Sequence
+from ..engine.scheduler import Sequence, Status
 from .clock import Clock
 from .cost import Cost, decode_cost, kv_formula, prefill_cost
 from .telemetry import RawSample
+
+
+@dataclass
+class StepTiming:
+    """A step's device interval: torch.cuda.Events, or host ns on the CPU (where the host is the device)."""
+
+    start: object = None
+    end: object = None
 
 
 @dataclass
@@ -28,71 +37,109 @@ class StepRecord:
     context_len: int  # this request's context after the step
     batch_size: int
     others: list[str]
-    gpu_start: object = None  # torch.cuda.Event, or host ns on the CPU
-    gpu_end: object = None
+    timing: StepTiming
     kv_tokens: int = 0
 
 
 @dataclass
-class RequestRecorder:
-    """Engine observer for one request (the first one added after attaching, unless request_id is given).
-    With lookahead the next step is launched before the current one completes, so open steps are kept by
-    their index."""
+class RequestTrace:
+    """What one request went through: each step that produced one of its tokens, on its own clock."""
 
     clock: Clock
-    request_id: str | None = None
+    request_id: str
     added_ns: int = 0
     finished_ns: int = 0
     steps: list[StepRecord] = field(default_factory=list)
-    _open: dict[int, StepRecord] = field(default_factory=dict)
+    stalls: list[tuple[Step, StepTiming]] = field(default_factory=list)  # others' prefills while it was running
+    seq: Sequence | None = None
 
-    def _mine(self, step: Step) -> Sequence | None:
-        for s in step.seqs:
-            if s.request_id == self.request_id:
-                return s
-        return None
-
-    def on_add(self, seq: Sequence, t_ns: int) -> None:
-        if self.request_id is None:
-            self.request_id = seq.request_id
-        if seq.request_id == self.request_id:
-            self.added_ns = t_ns
-
-    def on_launch(self, step: Step) -> None:
-        seq = self._mine(step)
-        if seq is None or seq.finished:
-            return
-        i = step.seqs.index(seq)
-        record = StepRecord(step, step.context_lens[i], len(step.seqs),
-                            [s.request_id for s in step.seqs if s is not seq])
-        record.gpu_start = self.clock.event() if self.clock.cuda else time.perf_counter_ns()
-        self._open[step.index] = record
-
-    def on_launched(self, step: Step) -> None:
-        record = self._open.get(step.index)
-        if record is not None:
-            record.gpu_end = self.clock.event() if self.clock.cuda else time.perf_counter_ns()
-
-    def on_step(self, step: Step) -> None:
-        record = self._open.pop(step.index, None)
-        seq = self._mine(step)
-        # a step launched ahead for a request that had already finished produced nothing for it
-        if record is not None and seq is not None and seq.num_cached == record.context_len:
-            record.kv_tokens = seq.num_cached
-            self.steps.append(record)
-
-    def on_finish(self, seq: Sequence, t_ns: int) -> None:
-        if seq.request_id == self.request_id:
-            self.finished_ns = t_ns
-
-    # ---- after the call -------------------------------------------------------------------------------
-    def device_ms(self, r: StepRecord) -> float:
+    def device_ms(self, r: StepRecord | StepTiming) -> float:
+        timing = r.timing if isinstance(r, StepRecord) else r
         if self.clock.cuda:
-            return r.gpu_start.elapsed_time(r.gpu_end)
-        return (r.gpu_end - r.gpu_start) / 1e6
+            timing.end.synchronize()  # already done in practice: the step's tokens were read after it
+            return timing.start.elapsed_time(timing.end)
+        return (timing.end - timing.start) / 1e6
 
     def device_start_ms(self, r: StepRecord) -> float:
-        return self.clock.event_ms(r.gpu_start) if self.clock.cuda else self.clock.ms(r.gpu_start)
+        return self.clock.event_ms(r.timing.start) if self.clock.cuda else self.clock.ms(r.timing.start)
+
+
+class Recorder:
+    """Engine observer that traces the requests registered with `watch` (before they are added).
+
+    With lookahead the next step is launched before the current one completes, so open steps are kept by
+    their index. A request's trace is complete once it has finished and the step that finished it has been
+    seen; `take_finished` hands such traces over (the server builds their anatomies off the engine thread).
+    """
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.traces: dict[str, RequestTrace] = {}
+        self._open: dict[int, tuple[StepTiming, list[tuple[RequestTrace, Sequence, StepRecord]]]] = {}
+        self._finished: list[RequestTrace] = []
+
+    def watch(self, request_id: str, t0_ns: int | None = None, clock: Clock | None = None) -> RequestTrace:
+        clock = clock or self.clock
+        trace = RequestTrace(clock.at(t0_ns) if t0_ns is not None else clock, request_id)
+        self.traces[request_id] = trace
+        return trace
+
+    def forget(self, request_id: str) -> None:
+        self.traces.pop(request_id, None)
+
+    def _now(self) -> object:
+        return self.clock.event() if self.clock.cuda else time.perf_counter_ns()
+
+    def on_add(self, seq: Sequence, t_ns: int) -> None:
+        trace = self.traces.get(seq.request_id)
+        if trace is not None:
+            trace.added_ns, trace.seq = t_ns, seq
+
+    def on_launch(self, step: Step) -> None:
+        if not self.traces:
+            return
+        ids = [s.request_id for s in step.seqs]
+        mine = [(i, s) for i, s in enumerate(step.seqs) if s.request_id in self.traces and not s.finished]
+        # A prefill step holds back every running request not in it: that is who slowed them down.
+        stalled = [t for t in self.traces.values() if t.seq is not None and t.seq.status is Status.RUNNING
+                   and t.request_id not in ids] if step.is_prefill else []
+        if not mine and not stalled:
+            return
+        timing = StepTiming(self._now())
+        for trace in stalled:
+            trace.stalls.append((step, timing))
+        records = []
+        for i, seq in mine:
+            others = ids[:i] + ids[i + 1:]
+            records.append((self.traces[seq.request_id], seq,
+                            StepRecord(step, step.context_lens[i], len(step.seqs), others, timing)))
+        self._open[step.index] = (timing, records)
+
+    def on_launched(self, step: Step) -> None:
+        opened = self._open.get(step.index)
+        if opened is not None:
+            opened[0].end = self._now()
+
+    def on_step(self, step: Step) -> None:
+        opened = self._open.pop(step.index, None)
+        if opened is None:
+            return
+        for trace, seq, record in opened[1]:
+            # a step launched ahead for a request that had already finished produced nothing for it
+            if seq.num_cached == record.context_len:
+                record.kv_tokens = seq.num_cached
+                trace.steps.append(record)
+
+    def on_finish(self, seq: Sequence, t_ns: int) -> None:
+        trace = self.traces.pop(seq.request_id, None)
+        if trace is not None:
+            trace.finished_ns = t_ns
+            self._finished.append(trace)
+
+    def take_finished(self) -> list[RequestTrace]:
+        """Traces of requests that finished since the last call (call it between steps)."""
+        done, self._finished = self._finished, []
+        return done
 
 
 def roofline(cost: Cost, seconds: float, wall_seconds: float, ceilings: Ceilings) -> Roofline:
@@ -184,24 +231,32 @@ def telemetry(samples: list[RawSample], clock: Clock, available: bool, note: str
                      interval, energy), converted
 
 
-def prefill_record(rec: RequestRecorder, r: StepRecord, engine, ceilings: Ceilings) -> PrefillRecord:
-    seqs = [(q, c - q) for q, c in zip(r.step.query_lens, r.step.context_lens)]
-    cost = prefill_cost(engine.config, engine.dtype, seqs)
+def step_cost(engine, step: Step) -> Cost:
+    """The whole step's work (every sequence in it), as the cost model counts it."""
+    if step.is_prefill:
+        seqs = [(q, c - q) for q, c in zip(step.query_lens, step.context_lens)]
+        return prefill_cost(engine.config, engine.dtype, seqs)
+    return decode_cost(engine.config, engine.dtype, step.context_lens)
+
+
+def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings) -> PrefillRecord:
+    cost = step_cost(engine, r.step)
     device_ms = rec.device_ms(r)
     wall_ms = (r.step.t_sampled_ns - r.step.t_start_ns) / 1e6
     line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
     return PrefillRecord(r.step.num_tokens, device_ms, r.step.host_work_ns / 1e6,
                          rec.clock.ms(r.step.t_start_ns), cost.flops, cost.bytes, line.mfu, line.mbu, line,
-                         cost.parts)
+                         cost.parts, r.batch_size, r.others)
 
 
-def decode_records(rec: RequestRecorder, records: list[StepRecord], engine, ceilings: Ceilings,
+def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceilings: Ceilings,
                    token_text, previous_end_ns: int) -> tuple[list[DecodeStep], list[Cost]]:
     """A step's wall time is its inter-token latency: from the previous token on the host to its own (with
-    lookahead a step is launched before the one ahead of it completes, so launch-to-end would count twice)."""
+    lookahead a step is launched before the one ahead of it completes, so launch-to-end would count twice).
+    A step that recomputes the request after a preemption is a prefill, and is costed as one."""
     steps, costs = [], []
     for i, r in enumerate(records, start=1):
-        cost = decode_cost(engine.config, engine.dtype, r.step.context_lens)
+        cost = step_cost(engine, r.step)
         device_ms = rec.device_ms(r)
         wall_ms = (r.step.t_end_ns - previous_end_ns) / 1e6
         previous_end_ns = r.step.t_end_ns
@@ -232,7 +287,7 @@ def decode_summary(steps: list[DecodeStep], costs: list[Cost], itl: list[float],
                          roofline(total, device_s, wall_s, ceilings))
 
 
-def kv_record(engine, rec: RequestRecorder, seq: Sequence) -> KVCacheRecord:
+def kv_record(engine, rec: RequestTrace, seq: Sequence) -> KVCacheRecord:
     pool = engine.pool
     bpt = pool.bytes_per_token
     tokens = seq.num_cached
@@ -252,3 +307,17 @@ def kv_record(engine, rec: RequestRecorder, seq: Sequence) -> KVCacheRecord:
         bytes_after_step=[r.kv_tokens * bpt for r in rec.steps],
         fits_sequences_this_length=fits(seq.num_tokens), fits_sequences_full_context=fits(engine.max_model_len),
         full_context=engine.max_model_len)
+
+
+def batching_record(rec: RequestTrace, queue_ms: float) -> BatchingRecord:
+    sizes = [r.batch_size for r in rec.steps] or [1]
+    shared: dict[str, int] = {}
+    for r in rec.steps:
+        for other in r.others:
+            shared[other] = shared.get(other, 0) + 1
+    stalls = [Stall(rec.clock.ms(step.t_start_ns), rec.device_ms(timing), [s.request_id for s in step.seqs],
+                    step.num_tokens) for step, timing in rec.stalls if timing.end is not None]
+    return BatchingRecord(queue_ms, max(sizes), sum(sizes) / len(sizes),
+                          rec.seq.num_preemptions if rec.seq is not None else 0,
+                          dict(sorted(shared.items(), key=lambda kv: -kv[1])), stalls,
+                          sum(s.gpu_ms for s in stalls))

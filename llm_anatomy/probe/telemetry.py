@@ -9,7 +9,9 @@ This module must not import torch at the top: the sampler process imports it and
 
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
+import threading
 import time
 from dataclasses import dataclass
 
@@ -87,6 +89,25 @@ def _sampler_main(conn, uuid: str | None, index: int, interval_s: float) -> None
     nvml.nvmlShutdown()
 
 
+def _stream_main(conn, uuid: str | None, index: int, interval_s: float, send_every_s: float) -> None:
+    """Sample until told to stop, sending the samples in small batches as they come."""
+    import pynvml as nvml
+
+    nvml.nvmlInit()
+    handle = _open(nvml, uuid, index)
+    conn.send("ready")
+    batch, next_t = [], time.perf_counter()
+    next_send = next_t + send_every_s
+    while not conn.poll():
+        batch.append(_read(nvml, handle))
+        if time.perf_counter() >= next_send:
+            conn.send(batch)
+            batch, next_send = [], next_send + send_every_s
+        next_t += interval_s
+        time.sleep(max(0.0, next_t - time.perf_counter()))
+    nvml.nvmlShutdown()
+
+
 def nvml_status(device) -> tuple[bool, str]:
     """Whether NVML can watch this torch device, and if not, why (said in the report instead of zeros)."""
     if device.type != "cuda":
@@ -101,29 +122,36 @@ def nvml_status(device) -> tuple[bool, str]:
     return True, ""
 
 
+def _device_ids(device) -> tuple[int, str | None]:
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    return index, (f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else (uuid or None))
+
+
+def _spawn(target, args: tuple):
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(child, *args), daemon=True, name="llm-anatomy-nvml")
+    process.start()
+    if not conn.poll(60) or conn.recv() != "ready":
+        process.kill()
+        raise RuntimeError("the NVML sampler process did not start")
+    return process, conn
+
+
 class GpuTelemetry:
     """Samples one GPU at `hz` from start() to stop(), in a child process."""
 
     def __init__(self, device, hz: float = 100.0):
-        import torch
-
         self.hz = hz
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(self.index)
-        uuid = str(getattr(props, "uuid", "") or "")
-        self.uuid = f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else (uuid or None)
+        self.index, self.uuid = _device_ids(device)
         self._process = None
         self._conn = None
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_sampler_main, args=(child, self.uuid, self.index, 1.0 / self.hz),
-                                    daemon=True, name="llm-anatomy-nvml")
-        self._process.start()
-        if not self._conn.poll(60) or self._conn.recv() != "ready":
-            self._process.kill()
-            raise RuntimeError("the NVML sampler process did not start")
+        self._process, self._conn = _spawn(_sampler_main, (self.uuid, self.index, 1.0 / self.hz))
 
     def stop(self) -> list[RawSample]:
         if self._process is None:
@@ -133,3 +161,55 @@ class GpuTelemetry:
         self._process.join(5)
         self._process = None
         return samples
+
+
+class TelemetryStream:
+    """Samples one GPU for as long as a server runs, keeping the last `keep_s` seconds: each request's
+    anatomy takes the samples of its own time window, and /metrics the latest."""
+
+    def __init__(self, device, hz: float = 50.0, keep_s: float = 600.0):
+        self.hz = hz
+        self.index, self.uuid = _device_ids(device)
+        self._samples: collections.deque[RawSample] = collections.deque(maxlen=int(hz * keep_s))
+        self._lock = threading.Lock()
+        self._process = None
+        self._conn = None
+
+    def start(self) -> None:
+        self._process, self._conn = _spawn(_stream_main, (self.uuid, self.index, 1.0 / self.hz, 0.05))
+        threading.Thread(target=self._receive, daemon=True, name="llm-anatomy-nvml-reader").start()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                batch = self._conn.recv()  # blocks without holding the GIL
+            except (EOFError, OSError):
+                return
+            with self._lock:
+                self._samples.extend(batch)
+
+    def latest_ns(self) -> int:
+        with self._lock:
+            return self._samples[-1].t_ns if self._samples else 0
+
+    def latest(self) -> RawSample | None:
+        with self._lock:
+            return self._samples[-1] if self._samples else None
+
+    def window(self, t0_ns: int, t1_ns: int, margin_ns: int = 300_000_000) -> list[RawSample]:
+        """Samples from `margin_ns` before t0 to `margin_ns` after t1 (the energy counter is interpolated
+        between its updates, so each end needs an update beyond it)."""
+        with self._lock:
+            return [s for s in self._samples if t0_ns - margin_ns <= s.t_ns <= t1_ns + margin_ns]
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        try:
+            self._conn.send("stop")
+        except OSError:
+            pass
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
+        self._process = None

@@ -1,0 +1,315 @@
+"""The HTTP side: an OpenAI-compatible FastAPI app over the engine loop, and `serve` to run it with uvicorn.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics,
+GET /v1/anatomy/{id} (the full Anatomy JSON) and GET /anatomy/{id} (its HTML report). docs/server.md has
+the details; every completion response carries an `x-anatomy-id` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..anatomy import Anatomy
+from .loop import Call, EngineLoop, Progress
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_request, chunk, completion_body,
+                       completion_request, now_s, parse_body, split_tool_calls, usage)
+
+log = logging.getLogger("llm_anatomy.server")
+TOOL_CALL_START = "<tool_call>"
+
+
+@dataclass
+class ServeOptions:
+    model_names: tuple[str, ...]  # names a request may give as `model` (the first is the one listed)
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    poll_disconnect_s: float = 0.25
+
+
+def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class Guard:
+    """Bearer auth on every route but /health, and a body size limit checked before the body is read. Plain
+    ASGI (not BaseHTTPMiddleware, which hides a client's disconnect from the handlers)."""
+
+    def __init__(self, app, options: ServeOptions):
+        self.app, self.options = app, options
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        key = self.options.api_key
+        if key and scope["path"] != "/health":
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                response = error_response(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                                   code="invalid_api_key"), {"www-authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.options.max_body_bytes):
+            response = error_response(APIError(413, f"the request body is larger than {self.options.max_body_bytes} "
+                                                     f"bytes", code="request_too_large"))
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        yield
+        loop.stop()  # uvicorn has drained the in-flight requests by now
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="llm-anatomy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    engine = loop.engine
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(APIError(e.status_code, message, code="not_found" if e.status_code == 404 else None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return error_response(APIError(422, str(e.errors()[0].get("msg", e))))
+
+    app.add_middleware(Guard, options=options)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refusing it once past the limit (a chunked body has no Content-Length to check first)."""
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > options.max_body_bytes:
+                raise APIError(413, f"the request body is larger than {options.max_body_bytes} bytes",
+                               code="request_too_large")
+            parts.append(part)
+        return b"".join(parts)
+
+    def check_model(name: str) -> None:
+        if name not in options.model_names:
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves "
+                                f"{options.model_names[0]!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    async def completion(request: Request, chat: bool):
+        received = time.perf_counter_ns()
+        body = parse_body(await read_body(request), ChatCompletionRequest if chat else CompletionRequest)
+        req = chat_request(body) if chat else completion_request(body)
+        check_model(req.model)
+        call = await asyncio.to_thread(loop.prepare, req, received, asyncio.get_running_loop())
+        loop.submit(call)
+        headers = {"x-anatomy-id": call.id}
+        if req.stream:
+            return StreamingResponse(stream(call), media_type="text/event-stream",
+                                     headers={**headers, "cache-control": "no-cache"})
+        try:
+            progress = await wait_done(call, request)
+        except asyncio.CancelledError:
+            loop.abort(call)
+            raise
+        if progress is None:  # the client went away
+            return Response(status_code=499, headers=headers)
+        if isinstance(progress, APIError):
+            return error_response(progress, headers)
+        text = (call.prompt_text or "") + progress.text if req.echo else progress.text
+        out = completion_body(req, call.id, now_s(), text, progress.finish_reason,
+                              len(call.prompt_token_ids), progress.tokens)
+        if req.want_anatomy:
+            out["anatomy"] = await anatomy_of(call)
+        return JSONResponse(out, headers=headers)
+
+    async def wait_done(call: Call, request: Request) -> Progress | APIError | None:
+        """The call's final Progress (or error); None if the client disconnected first (the call is aborted)."""
+        next_check = time.monotonic() + options.poll_disconnect_s
+        while True:
+            try:
+                event = await asyncio.wait_for(call.events.get(), max(0.0, next_check - time.monotonic()))
+                if isinstance(event, APIError) or (isinstance(event, Progress) and event.finish_reason is not None):
+                    return event
+            except asyncio.TimeoutError:
+                pass
+            if time.monotonic() >= next_check:
+                if await request.is_disconnected():
+                    loop.abort(call)
+                    return None
+                next_check = time.monotonic() + options.poll_disconnect_s
+
+    async def anatomy_of(call: Call) -> dict | None:
+        while call.anatomy is None:
+            event = await call.events.get()
+            if isinstance(event, tuple) and event[0] == "anatomy":
+                return event[1]
+        return call.anatomy
+
+    async def stream(call: Call):
+        req = call.request
+        created, sent = now_s(), 0
+        longest_stop = max((len(s) for s in call.params.stop), default=0)
+
+        def sse(obj: dict) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        try:
+            if req.chat:
+                yield sse(chunk(req, call.id, created, role=True))
+            elif req.echo and call.prompt_text:
+                yield sse(chunk(req, call.id, created, text=call.prompt_text))
+            while True:
+                event = await call.events.get()
+                if isinstance(event, APIError):
+                    yield sse(event.body())
+                    break
+                if not isinstance(event, Progress):
+                    continue
+                while not call.events.empty():  # the client fell behind: send what is there in one chunk
+                    nxt = call.events.get_nowait()
+                    if isinstance(nxt, Progress):
+                        event = nxt
+                    elif isinstance(nxt, APIError):
+                        event = nxt
+                        break
+                if isinstance(event, APIError):
+                    yield sse(event.body())
+                    break
+                text, final = event.text, event.finish_reason is not None
+                if not final:
+                    # Hold back what could still become a stop string (cut from the text) or a tool call.
+                    upto = len(text) - max(0, longest_stop - 1)
+                    if req.parse_tool_calls:
+                        upto = min(upto, _before_tool_call(text))
+                    if upto > sent:
+                        yield sse(chunk(req, call.id, created, text=text[sent:upto]))
+                        sent = upto
+                    continue
+                rest, calls, reason = text[sent:], [], event.finish_reason
+                if req.parse_tool_calls:
+                    content, calls = split_tool_calls(rest, call.id)
+                    rest = content or ""
+                    reason = "tool_calls" if calls else reason
+                if rest or calls:
+                    yield sse(chunk(req, call.id, created, text=rest, tool_calls=calls))
+                last = chunk(req, call.id, created, finish_reason=reason)
+                final_usage = usage(len(call.prompt_token_ids), event.tokens)
+                if req.include_usage:
+                    yield sse(last)
+                    last = chunk(req, call.id, created, usage_=final_usage, no_choices=True)
+                if req.want_anatomy:
+                    last["anatomy"] = await anatomy_of(call)
+                yield sse(last)
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            loop.abort(call)  # a no-op once it has finished; frees its KV blocks if the client left
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await completion(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await completion(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": options.model_names[0], "object": "model", "created": int(loop.started_at), "owned_by": "llm-anatomy",
+            "root": engine.source.name, "max_model_len": engine.max_model_len,
+            "weights": engine.weights.kind}]}
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return JSONResponse({"status": "error", "error": loop.error or "the engine loop is not running"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(loop.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def stored(anatomy_id: str) -> str:
+        text = await asyncio.to_thread(loop.store.get, anatomy_id)
+        if text is None:
+            raise APIError(404, f"no anatomy {anatomy_id!r}: unknown id, or older than the {loop.store.keep} kept",
+                           param="id", code="not_found")
+        return text
+
+    @app.get("/v1/anatomy/{anatomy_id}")
+    async def anatomy_json(anatomy_id: str):
+        return Response(await stored(anatomy_id), media_type="application/json")
+
+    @app.get("/anatomy/{anatomy_id}")
+    async def anatomy_html(anatomy_id: str):
+        from ..report.html import render_html
+
+        anatomy = Anatomy.from_json(await stored(anatomy_id))
+        return HTMLResponse(await asyncio.to_thread(render_html, anatomy))
+
+    return app
+
+
+def _before_tool_call(text: str) -> int:
+    """Where streamed content must stop: at a tool-call block, or at a partial '<tool_call>' at the end."""
+    i = text.find(TOOL_CALL_START)
+    if i >= 0:
+        return i
+    for k in range(len(TOOL_CALL_START) - 1, 0, -1):
+        if text.endswith(TOOL_CALL_START[:k]):
+            return len(text) - k
+    return len(text)
+
+
+def build_server(engine, *, host: str, port: int, model_names: tuple[str, ...], ceilings, run_dir,
+                 keep_anatomies: int = 1000, api_key: str | None = None, max_body_bytes: int = 4 << 20,
+                 device_why: str = "", telemetry_hz: float | None = 50.0, drain_timeout_s: float = 120.0,
+                 log_level: str = "warning"):
+    """The uvicorn server and its engine loop (started and stopped by the app's lifespan)."""
+    import uvicorn
+
+    from ..probe.telemetry import TelemetryStream, nvml_status
+    from .metrics import Metrics
+    from .store import AnatomyStore
+
+    available, note = nvml_status(engine.device) if telemetry_hz else (False, "telemetry turned off")
+    telemetry = TelemetryStream(engine.device, telemetry_hz) if available else None
+    store = AnatomyStore(run_dir, keep_anatomies)
+    if telemetry is not None:
+        telemetry.start()
+    loop = EngineLoop(engine, ceilings, store, Metrics(model_names[0], engine, telemetry), telemetry, note,
+                      device_why)
+
+    def close() -> None:
+        if telemetry is not None:
+            telemetry.stop()
+        store.close()
+
+    app = create_app(loop, ServeOptions(model_names, api_key, max_body_bytes), on_shutdown=close)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s)
+    return uvicorn.Server(config), loop
+
+
+def serve(engine, sockets=None, **options) -> None:
+    """Run the server until SIGINT or SIGTERM: in-flight requests are drained (up to `drain_timeout_s`), then
+    the engine loop stops and the files close. (uvicorn then re-raises the signal, so that the process's
+    exit status says what ended it.)"""
+    server, _ = build_server(engine, **options)
+    server.run(sockets=sockets)

@@ -1,0 +1,116 @@
+"""GET /metrics: Prometheus metrics under vLLM's names, with the prefix llm_anatomy: instead of vllm:.
+
+Latency histograms and token counters are fed from each finished call's Anatomy (one source of truth for
+the numbers a call reports and the numbers the server exports); gauges (running and waiting requests, KV
+cache usage, GPU power and energy) are read when scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..anatomy import Anatomy
+
+PREFIX = "llm_anatomy:"
+# vLLM's buckets (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+
+
+class _Live:
+    """Values read at scrape time."""
+
+    def __init__(self, model: str, engine, telemetry):
+        self.model, self.engine, self.telemetry = model, engine, telemetry
+        self.energy0: int | None = None  # mJ on the device counter when the server started
+
+    def collect(self):
+        labels = ["model_name"]
+        scheduler, pool = self.engine.scheduler, self.engine.pool
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch.", len(scheduler.running)),
+                ("num_requests_waiting", "Requests queued for admission.", len(scheduler.waiting)),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                 1 - pool.num_free_blocks / pool.num_blocks)):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric([self.model], value)
+            yield g
+        sample = self.telemetry.latest() if self.telemetry is not None else None
+        if sample is None:
+            return
+        if sample.power_mw is not None:
+            g = GaugeMetricFamily(PREFIX + "gpu_power_watts", "GPU power draw (NVML), latest sample.", labels=labels)
+            g.add_metric([self.model], sample.power_mw / 1e3)
+            yield g
+        if sample.energy_mj is not None:
+            if self.energy0 is None:
+                self.energy0 = sample.energy_mj
+            c = CounterMetricFamily(PREFIX + "gpu_energy_joules", "GPU energy since the server started (NVML).",
+                                    labels=labels)
+            c.add_metric([self.model], (sample.energy_mj - self.energy0) / 1e3)
+            yield c
+
+
+class Metrics:
+    def __init__(self, model: str, engine, telemetry=None):
+        disable_created_metrics()  # no *_created series (vLLM exports none either)
+        self.model = model
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (request received to "
+                              "first token on the host).", m, buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token after the first, "
+                              "per request.", m, buckets=TPOT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gaps between consecutive output tokens.", m,
+                             buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, received to last token.", m,
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time queued before the first step.", m,
+                               buckets=REQUEST_BUCKETS, registry=r)
+        self.prefill = Histogram(PREFIX + "request_prefill_time_seconds", "Prefill step time (device).", m,
+                                 buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", m, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", m, registry=r)
+        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                               m + ["finished_reason"], registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted (KV blocks taken back).", m,
+                                   registry=r)
+        self.energy = Counter(PREFIX + "request_energy_joules", "Device energy over requests' spans (overlapping "
+                              "requests each count the shared time).", m, registry=r)
+        self.live = _Live(model, engine, telemetry)
+        r.register(self.live)
+        for family in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+            family.labels(model)  # exported at 0 from the start
+
+    def observe(self, a: Anatomy) -> None:
+        """A finished call's anatomy: its latencies."""
+        m = self.model
+        self.ttft.labels(m).observe(a.ttft_ms / 1e3)
+        if a.tpot_ms is not None:
+            self.tpot.labels(m).observe(a.tpot_ms / 1e3)
+        itl = self.itl.labels(m)
+        for gap in a.itl_ms:
+            itl.observe(gap / 1e3)
+        self.e2e.labels(m).observe(a.e2e_ms / 1e3)
+        if a.batching is not None:
+            self.queue.labels(m).observe(a.batching.queue_ms / 1e3)
+            self.preemptions.labels(m).inc(a.batching.preemptions)
+        self.prefill.labels(m).observe(a.prefill.ms / 1e3)
+        call = next((e for e in a.telemetry.energy if e.phase == "call"), None)
+        if call is not None and call.joules > 0:
+            self.energy.labels(m).inc(call.joules)
+
+    def finished(self, reason: str, prompt_tokens: int, output_tokens: int) -> None:
+        """Every finished call (with or without an anatomy): its tokens and how it ended."""
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.generation_tokens.labels(self.model).inc(output_tokens)
+        self.success.labels(self.model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+

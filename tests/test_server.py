@@ -1,0 +1,467 @@
+"""`llm-anatomy serve`: a real uvicorn on a loopback port, driven by the official openai client and httpx."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import tiny_hf_model
+from llm_anatomy import Engine
+from llm_anatomy.anatomy import Anatomy, Ceilings
+from llm_anatomy.server.app import _before_tool_call, build_server
+from llm_anatomy.server.protocol import split_tool_calls
+from llm_anatomy.server.store import AnatomyStore
+
+MODEL = "tiny-qwen3"
+CEILINGS = Ceilings("cpu", read_gbps=20.0, gemv_gbps=15.0, matmul_tflops=0.5, datasheet_gbps=None,
+                    datasheet_tflops=None, measured_at="2026-11-29")
+HELLO = [{"role": "user", "content": "Hello there"}]
+NO_EOS = {"ignore_eos": True}  # an extension field: the openai client sends it through extra_body
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ckpt") / "tiny"
+    tiny_hf_model(initializer_range=0.2, vocab_size=151936).save_pretrained(directory)  # Qwen-sized vocabulary
+    return directory
+
+
+class Running:
+    """A server on a thread of this process, so tests can look into its engine."""
+
+    def __init__(self, engine, run_dir, **options):
+        self.engine = engine
+        self.port = free_port()
+        self.server, self.loop = build_server(
+            engine, host="127.0.0.1", port=self.port, model_names=(MODEL,), ceilings=CEILINGS, run_dir=run_dir,
+            telemetry_hz=None, device_why="test", drain_timeout_s=10, **options)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the engine has nothing running or waiting and every KV block is free again."""
+        deadline = time.monotonic() + timeout
+        pool = self.engine.pool
+        while self.engine.has_work() or pool.num_free_blocks != pool.num_blocks:
+            assert time.monotonic() < deadline, (len(self.engine.scheduler.running), pool.num_free_blocks)
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    # A small pool (64 blocks of 16 tokens) so that the load test has to queue and preempt.
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=1024,
+                                    block_size=16, max_num_seqs=32)
+    running = Running(engine, tmp_path_factory.mktemp("run"))
+    yield running
+    running.stop()
+
+
+def metric(server, series: str) -> float:
+    """One series' value from /metrics (0 if not exported yet)."""
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith("llm_anatomy:" + series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def chat(server, **kw):
+    return server.client().chat.completions.create(model=MODEL, messages=kw.pop("messages", HELLO), **kw)
+
+
+# ---- the openai client ------------------------------------------------------------------------------------------------
+def test_chat_with_the_anatomy_extension(server):
+    raw = server.client().chat.completions.with_raw_response.create(
+        model=MODEL, messages=HELLO, max_tokens=9, temperature=0, extra_body={"anatomy": True, "ignore_eos": True})
+    anatomy_id = raw.headers["x-anatomy-id"]
+    r = raw.parse()
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.endswith(anatomy_id)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 9 and r.usage.total_tokens == r.usage.prompt_tokens + 9
+    summary = r.model_extra["anatomy"]
+    assert summary["id"] == anatomy_id and summary["output_tokens"] == 9
+    assert summary["prompt_tokens"] == r.usage.prompt_tokens
+    assert summary["ttft_ms"] <= summary["e2e_ms"] and summary["decode"]["steps"] == 8
+
+    full = Anatomy.from_json(httpx.get(f"{server.url}/v1/anatomy/{anatomy_id}").text)
+    assert full.id == anatomy_id and full.text == r.choices[0].message.content
+    assert full.request["endpoint"] == "/v1/chat/completions" and full.request["messages"][0]["content"] == "Hello there"
+    assert full.batching is not None and full.batching.max_batch_size >= 1
+    html = httpx.get(f"{server.url}/anatomy/{anatomy_id}")
+    assert html.status_code == 200 and "Content-Security-Policy" in html.text and anatomy_id in html.text
+
+
+def test_stream_matches_the_non_streamed_answer(server):
+    expected = chat(server, max_tokens=12, temperature=0, extra_body=NO_EOS).choices[0].message.content
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"anatomy": True, "ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    assert last.model_extra["anatomy"]["output_tokens"] == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_wire_format(server):
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 3, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream") and r.headers["x-anatomy-id"]
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_async_client_stream_and_not(server):
+    async def go():
+        client = server.async_client()
+        r = await client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, temperature=0,
+                                                 extra_body=NO_EOS)
+        stream = await client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, temperature=0,
+                                                      extra_body=NO_EOS, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        await client.close()
+        return r.choices[0].message.content, text
+
+    plain, streamed = asyncio.run(go())
+    assert plain == streamed
+
+
+def test_completions_prompt_text_ids_and_echo(server):
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt="The KV cache", max_tokens=6, temperature=0, extra_body=NO_EOS)
+    assert r.object == "text_completion" and r.usage.completion_tokens == 6
+    ids = server.engine.tokenizer.encode("The KV cache")
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, extra_body=NO_EOS)
+    assert by_ids.choices[0].text == r.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+    echoed = client.completions.create(model=MODEL, prompt="The KV cache", max_tokens=6, temperature=0,
+                                       extra_body=NO_EOS, echo=True)
+    assert echoed.choices[0].text == "The KV cache" + r.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt="The KV cache", max_tokens=6, temperature=0,
+                                         extra_body=NO_EOS, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    assert client.completions.create(model=MODEL, prompt="x").usage.completion_tokens <= 16  # the API's default
+
+
+def test_stop_strings_are_never_streamed(server):
+    text = chat(server, max_tokens=24, temperature=0, extra_body=NO_EOS).choices[0].message.content
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip() and text.find(stop) > 0
+    want = text[:text.find(stop)]
+    plain = chat(server, max_tokens=24, temperature=0, extra_body=NO_EOS, stop=stop).choices[0]
+    assert plain.message.content == want and plain.finish_reason == "stop"
+    stream = server.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0,
+                                                     extra_body=NO_EOS, stop=[stop], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_seeded_sampling_repeats(server):
+    a, b = (chat(server, max_tokens=8, temperature=0.9, top_p=0.95, seed=7,
+                 extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True}).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_models_health_and_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    before = httpx.get(f"{server.url}/metrics").text
+    chat(server, max_tokens=4, extra_body=NO_EOS, temperature=0)
+    server.wait_idle()
+    time.sleep(0.2)  # the anatomy thread feeds the counters after the response
+    after = httpx.get(f"{server.url}/metrics").text
+
+    def value(text, name):
+        line = next(x for x in text.splitlines() if x.startswith(f"llm_anatomy:{name}{{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value(after, "generation_tokens_total") - value(before, "generation_tokens_total") == 4
+    assert value(after, "time_to_first_token_seconds_count") == value(before, "time_to_first_token_seconds_count") + 1
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_sum", "prompt_tokens_total",
+                 "inter_token_latency_seconds_count", 'request_success_total'):
+        assert f"llm_anatomy:{name}" in after
+    assert value(after, "num_requests_running") == 0 and value(after, "kv_cache_usage_perc") == 0
+
+
+# ---- continuous batching under load -----------------------------------------------------------------------------------
+def test_64_concurrent_streams_all_complete_and_the_pool_empties(server):
+    """More demand than the 1024-token pool and 32 slots hold at once: requests queue (and may be preempted), and
+    every one still gets all its tokens."""
+    lengths = [4 + (i * 7) % 37 for i in range(64)]
+    prompts = [[{"role": "user", "content": "word " * (1 + (i * 5) % 23)}] for i in range(64)]
+
+    async def one(client, i):
+        stream = await client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=lengths[i],
+                                                      temperature=0, extra_body=NO_EOS, stream=True,
+                                                      stream_options={"include_usage": True})
+        text, usage, finish = "", None, None
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+            usage = c.usage or usage
+        return text, usage, finish
+
+    async def go():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                    http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=64)))
+        out = await asyncio.gather(*(one(client, i) for i in range(64)))
+        await client.close()
+        return out
+
+    results = asyncio.run(go())
+    for (text, usage, finish), n in zip(results, lengths):
+        assert finish == "length" and usage.completion_tokens == n
+    server.wait_idle()
+    # the same prompts alone give the same greedy text: batching changed nothing
+    alone = chat(server, messages=prompts[5], max_tokens=lengths[5], temperature=0, extra_body=NO_EOS)
+    assert alone.choices[0].message.content == results[5][0]
+
+
+def test_batched_anatomy_names_who_shared_the_steps(server):
+    client = server.client()
+    ids = []
+
+    def run(n):
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=n,
+                                                               temperature=0, extra_body=NO_EOS)
+        ids.append(raw.headers["x-anatomy-id"])
+
+    threads = [threading.Thread(target=run, args=(40,))]
+    threads[0].start()
+    time.sleep(0.05)
+    threads += [threading.Thread(target=run, args=(10,)) for _ in range(3)]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join()
+    anatomies = [Anatomy.from_json(httpx.get(f"{server.url}/v1/anatomy/{i}").text) for i in ids]
+    longest = max(anatomies, key=lambda a: len(a.output_token_ids))
+    assert longest.batching.max_batch_size > 1
+    assert set(longest.batching.co_scheduled) & set(ids)
+    shared = [s for s in longest.decode_steps if s.batch_size > 1]
+    assert shared and all(set(s.others) <= set(ids) for s in shared)
+    assert longest.batching.stalls, "the later requests' prefills held the first one back"
+    assert all(st.requests and st.gpu_ms >= 0 for st in longest.batching.stalls)
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------------
+GOOD = {"model": MODEL, "messages": HELLO, "max_tokens": 4}
+BAD = [
+    ("invalid JSON", b"{nope", 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("unknown model", {**GOOD, "model": "gpt-4o"}, 404, "model"),
+    ("missing messages", {"model": MODEL}, 422, "messages"),
+    ("empty messages", {**GOOD, "messages": []}, 400, "messages"),
+    ("message without role", {**GOOD, "messages": [{"content": "hi"}]}, 400, "messages"),
+    ("content of the wrong type", {**GOOD, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ("temperature as a string", {**GOOD, "temperature": "hot"}, 422, "temperature"),
+    ("max_tokens as a float", {**GOOD, "max_tokens": 2.5}, 422, "max_tokens"),
+    ("unknown field", {**GOOD, "temprature": 0.5}, 422, "temprature"),
+    ("temperature < 0", {**GOOD, "temperature": -0.1}, 400, "temperature"),
+    ("top_p = 0", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("top_p > 1", {**GOOD, "top_p": 1.5}, 400, "top_p"),
+    ("max_tokens < 1", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("presence_penalty > 2", {**GOOD, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("n > 1", {**GOOD, "n": 2}, 400, "n"),
+    ("logprobs", {**GOOD, "logprobs": True}, 400, "logprobs"),
+    ("json mode", {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("forced tool choice", {**GOOD, "tool_choice": "required"}, 400, "tool_choice"),
+    ("stream_options without stream", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("image content", {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages"),
+    ("prompt past the context", {**GOOD, "messages": [{"role": "user", "content": "word " * 600}]}, 400, "prompt"),
+    ("max_tokens past the context", {**GOOD, "max_tokens": 600}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_openai_error(server, body, status, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}/v1/chat/completions", **kw)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert len(error["message"]) > 10
+
+
+def test_other_bad_requests_and_the_server_keeps_serving(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "suffix": "y"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [999999999]})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/v1/nothing").status_code == 404
+    assert httpx.get(f"{server.url}/v1/chat/completions").status_code == 405
+    assert httpx.get(f"{server.url}/v1/anatomy/0123456789abcdef").json()["error"]["code"] == "not_found"
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="nope", messages=HELLO)
+    assert chat(server, max_tokens=2, extra_body=NO_EOS).usage.completion_tokens == 2
+
+
+def test_body_size_limit_and_api_key(checkpoint, tmp_path):
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256)
+    running = Running(engine, tmp_path, api_key="sekret", max_body_bytes=2000)
+    try:
+        assert httpx.get(f"{running.url}/health").status_code == 200  # open to probes
+        for path in ("/v1/models", "/metrics", "/v1/anatomy/x"):
+            r = httpx.get(running.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(running.url + "/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            running.client(api_key="wrong").models.list()
+        client = running.client(api_key="sekret")
+        assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).usage.completion_tokens <= 2
+        big = {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}
+        r = httpx.post(f"{running.url}/v1/chat/completions", json=big, headers={"authorization": "Bearer sekret"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunked():  # no Content-Length: the limit is enforced while reading
+            yield json.dumps(big).encode()
+
+        r = httpx.post(f"{running.url}/v1/chat/completions", content=chunked(),
+                       headers={"authorization": "Bearer sekret", "content-type": "application/json"})
+        assert r.status_code == 413
+    finally:
+        running.stop()
+
+
+# ---- faults -----------------------------------------------------------------------------------------------------------
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    server.wait_idle()
+    body = {**GOOD, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+        anatomy_id = r.headers["x-anatomy-id"]
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+    server.wait_idle(timeout=20)  # aborted long before its 400 tokens
+    a = Anatomy.from_json(httpx.get(f"{server.url}/v1/anatomy/{anatomy_id}").text)
+    assert a.finish_reason == "abort" and 0 < len(a.output_token_ids) < 400
+
+
+def test_a_client_that_disconnects_while_waiting_for_a_whole_answer(server):
+    server.wait_idle()
+    body = {**GOOD, "max_tokens": 400, "ignore_eos": True}
+    before = metric(server, 'request_success_total{finished_reason="abort",model_name="tiny-qwen3"}')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=0.3)
+    server.wait_idle(timeout=20)
+    time.sleep(0.2)  # counted by the anatomy thread
+    assert metric(server, 'request_success_total{finished_reason="abort",model_name="tiny-qwen3"}') == before + 1
+
+
+def test_store_keeps_the_newest_and_survives_a_torn_line(tmp_path):
+    from sample_anatomy import sample_anatomy
+
+    store = AnatomyStore(tmp_path, keep=4)
+    for i in range(11):
+        a = sample_anatomy()
+        a.id = f"id{i:02d}"
+        store.add(a)
+    assert store.ids() == ["id07", "id08", "id09", "id10"]
+    assert json.loads(store.get("id09"))["id"] == "id09" and store.get("id02", wait_s=0) is None
+    assert sum(1 for _ in open(store.path)) <= 5  # compacted
+    store.close()
+    with open(store.path, "ab") as f:
+        f.write(b'{"id": "torn", "model"')  # a crash mid-write
+    again = AnatomyStore(tmp_path, keep=4)
+    assert again.ids() == ["id07", "id08", "id09", "id10"]
+    a = sample_anatomy()
+    a.id = "after"
+    again.add(a)
+    assert json.loads(again.get("after"))["id"] == "after" and json.loads(again.get("id10"))["id"] == "id10"
+    again.close()
+
+
+def test_tool_calls_are_parsed_from_qwen3_output():
+    text = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = split_tool_calls(text, "r1")
+    assert content == "Let me look." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert split_tool_calls("<tool_call>not json</tool_call>", "r2") == ("<tool_call>not json</tool_call>", [])
+    assert _before_tool_call("abc <tool_") == 4 and _before_tool_call("abc <tool_call>{") == 4
+    assert _before_tool_call("plain") == 5
+
+
+# ---- the command, as a process: SIGTERM drains, a restart keeps the anatomies ------------------------------------------
+def start_process(checkpoint, run_dir, port):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "llm_anatomy.cli", "serve", str(checkpoint), "--device", "cpu",
+                             "--dtype", "float32", "--port", str(port), "--run-dir", str(run_dir),
+                             "--kv-cache-tokens", "1024", "--served-model-name", MODEL, "--no-calibrate",
+                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def test_sigterm_drains_and_a_restart_keeps_anatomies(checkpoint, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_process(checkpoint, tmp_path, port)
+    try:
+        first = httpx.post(f"{url}/v1/chat/completions", json={**GOOD, "ignore_eos": True}).headers["x-anatomy-id"]
+        body = {**GOOD, "max_tokens": 120, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)  # mid-stream: it must still finish
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        finish = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in rest[:-1]]
+        assert finish[-1] == "length"
+        # drained, then exits; uvicorn re-raises the signal after a graceful shutdown
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc = start_process(checkpoint, tmp_path, port)
+    try:
+        r = httpx.get(f"{url}/v1/anatomy/{first}")
+        assert r.status_code == 200 and Anatomy.from_json(r.text).id == first
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
