@@ -87,7 +87,10 @@ class DecodeStep:
     mbu: float | None
     mfu: float | None
     bound: str
-    others: list[str] = field(default_factory=list)  # other requests in the same step
+    # The batch as it changed since this request's previous step (its prefill for step 1): other requests that
+    # joined it and that left it. Who else was in each step follows from PrefillRecord.others and these.
+    joined: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -291,7 +294,7 @@ class Anatomy:
     schema_version: str = SCHEMA_VERSION
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return _plain(self)
 
     def summary(self) -> dict:
         """The headline numbers, small enough to ride along with an API response (the server's `anatomy`
@@ -331,6 +334,23 @@ class Anatomy:
     @classmethod
     def from_json(cls, text: str) -> "Anatomy":
         return cls.from_dict(json.loads(text))
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _plain(x):
+    """dataclasses.asdict without its deep copies of every leaf (a served anatomy has thousands of them)."""
+    if hasattr(x, "__dataclass_fields__"):
+        names = _FIELD_NAMES.get(type(x))
+        if names is None:
+            names = _FIELD_NAMES[type(x)] = tuple(f.name for f in dataclasses.fields(x))
+        return {n: _plain(getattr(x, n)) for n in names}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
 
 
 def _build(tp, value):

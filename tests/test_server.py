@@ -277,7 +277,12 @@ def test_batched_anatomy_names_who_shared_the_steps(server):
     assert longest.batching.max_batch_size > 1
     assert set(longest.batching.co_scheduled) & set(ids)
     shared = [s for s in longest.decode_steps if s.batch_size > 1]
-    assert shared and all(set(s.others) <= set(ids) for s in shared)
+    assert shared and all(set(s.joined + s.left) <= set(ids) for s in shared)
+    # the batch at each step, rebuilt from the prefill's and the changes, matches its size
+    batch = set(longest.prefill.others)
+    for s in longest.decode_steps:
+        batch = (batch | set(s.joined)) - set(s.left)
+        assert len(batch) + 1 == s.batch_size
     assert longest.batching.stalls, "the later requests' prefills held the first one back"
     assert all(st.requests and st.gpu_ms >= 0 for st in longest.batching.stalls)
 

@@ -145,8 +145,7 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
         marks.received, marks.template, marks.tokenize, marks.queue, marks.end))
     prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
     prefill = prefill_record(rec, prefill_step, engine, ceilings)
-    steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, token_text(engine),
-                                  prefill_step.step.t_end_ns)
+    steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, token_text(engine), prefill_step)
     token_times = [clock.ms(r.step.t_end_ns) for r in rec.steps]
     ttft = token_times[0]
     e2e = t_end

@@ -24,21 +24,50 @@ from .telemetry import RawSample
 
 
 @dataclass
-class StepTiming:
-    """A step's device interval: torch.cuda.Events, or host ns on the CPU (where the host is the device)."""
+class StepMeasure:
+    """What is measured once per step, however many traced requests share it: its device interval
+    (torch.cuda.Events, or host ns on the CPU, where the host is the device) and its cost."""
 
     start: object = None
     end: object = None
+    _ms: float | None = None
+    cost: Cost | None = None
+    _ids: frozenset[str] | None = None
+
+    def ids(self, step: Step) -> frozenset[str]:
+        if self._ids is None:
+            self._ids = frozenset(s.request_id for s in step.seqs)
+        return self._ids
+
+    def ms(self) -> float:
+        if self._ms is None:
+            if isinstance(self.start, int):
+                self._ms = (self.end - self.start) / 1e6
+            else:
+                self.end.synchronize()  # already done in practice: the step's tokens were read after it
+                self._ms = self.start.elapsed_time(self.end)
+        return self._ms
 
 
 @dataclass
 class StepRecord:
+    """One step, seen by one request in it: kept small, since a step of a batch of 64 makes 64 of these."""
+
     step: Step
-    context_len: int  # this request's context after the step
-    batch_size: int
-    others: list[str]
-    timing: StepTiming
+    position: int  # of this request in step.seqs
+    timing: StepMeasure
     kv_tokens: int = 0
+
+    @property
+    def context_len(self) -> int:  # this request's context after the step
+        return self.step.context_lens[self.position]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.step.seqs)
+
+    def others(self) -> frozenset[str]:
+        return self.timing.ids(self.step) - {self.step.seqs[self.position].request_id}
 
 
 @dataclass
@@ -50,15 +79,12 @@ class RequestTrace:
     added_ns: int = 0
     finished_ns: int = 0
     steps: list[StepRecord] = field(default_factory=list)
-    stalls: list[tuple[Step, StepTiming]] = field(default_factory=list)  # others' prefills while it was running
+    stalls: list[tuple[Step, StepMeasure]] = field(default_factory=list)  # others' prefills while it was running
     seq: Sequence | None = None
 
-    def device_ms(self, r: StepRecord | StepTiming) -> float:
-        timing = r.timing if isinstance(r, StepRecord) else r
-        if self.clock.cuda:
-            timing.end.synchronize()  # already done in practice: the step's tokens were read after it
-            return timing.start.elapsed_time(timing.end)
-        return (timing.end - timing.start) / 1e6
+    @staticmethod
+    def device_ms(r: StepRecord | StepMeasure) -> float:
+        return (r.timing if isinstance(r, StepRecord) else r).ms()
 
     def device_start_ms(self, r: StepRecord) -> float:
         return self.clock.event_ms(r.timing.start) if self.clock.cuda else self.clock.ms(r.timing.start)
@@ -75,7 +101,7 @@ class Recorder:
     def __init__(self, clock: Clock):
         self.clock = clock
         self.traces: dict[str, RequestTrace] = {}
-        self._open: dict[int, tuple[StepTiming, list[tuple[RequestTrace, Sequence, StepRecord]]]] = {}
+        self._open: dict[int, tuple[StepMeasure, list[tuple[RequestTrace, Sequence, StepRecord]]]] = {}
         self._finished: list[RequestTrace] = []
 
     def watch(self, request_id: str, t0_ns: int | None = None, clock: Clock | None = None) -> RequestTrace:
@@ -98,22 +124,21 @@ class Recorder:
     def on_launch(self, step: Step) -> None:
         if not self.traces:
             return
-        ids = [s.request_id for s in step.seqs]
-        mine = [(i, s) for i, s in enumerate(step.seqs) if s.request_id in self.traces and not s.finished]
+        traces = self.traces
+        mine = [(i, s) for i, s in enumerate(step.seqs) if s.request_id in traces and not s.finished]
         # A prefill step holds back every running request not in it: that is who slowed them down.
-        stalled = [t for t in self.traces.values() if t.seq is not None and t.seq.status is Status.RUNNING
-                   and t.request_id not in ids] if step.is_prefill else []
+        stalled = []
+        if step.is_prefill:
+            ids = {s.request_id for s in step.seqs}
+            stalled = [t for t in traces.values() if t.seq is not None and t.seq.status is Status.RUNNING
+                       and t.request_id not in ids]
         if not mine and not stalled:
             return
-        timing = StepTiming(self._now())
+        timing = StepMeasure(self._now())
         for trace in stalled:
             trace.stalls.append((step, timing))
-        records = []
-        for i, seq in mine:
-            others = ids[:i] + ids[i + 1:]
-            records.append((self.traces[seq.request_id], seq,
-                            StepRecord(step, step.context_lens[i], len(step.seqs), others, timing)))
-        self._open[step.index] = (timing, records)
+        self._open[step.index] = (timing, [(traces[seq.request_id], seq, StepRecord(step, i, timing))
+                                           for i, seq in mine])
 
     def on_launched(self, step: Step) -> None:
         opened = self._open.get(step.index)
@@ -231,41 +256,48 @@ def telemetry(samples: list[RawSample], clock: Clock, available: bool, note: str
                      interval, energy), converted
 
 
-def step_cost(engine, step: Step) -> Cost:
-    """The whole step's work (every sequence in it), as the cost model counts it."""
-    if step.is_prefill:
-        seqs = [(q, c - q) for q, c in zip(step.query_lens, step.context_lens)]
-        return prefill_cost(engine.config, engine.dtype, seqs)
-    return decode_cost(engine.config, engine.dtype, step.context_lens)
+def step_cost(engine, r: StepRecord) -> Cost:
+    """The whole step's work (every sequence in it), as the cost model counts it; computed once per step."""
+    if r.timing.cost is None:
+        step = r.step
+        if step.is_prefill:
+            seqs = [(q, c - q) for q, c in zip(step.query_lens, step.context_lens)]
+            r.timing.cost = prefill_cost(engine.config, engine.dtype, seqs)
+        else:
+            r.timing.cost = decode_cost(engine.config, engine.dtype, step.context_lens)
+    return r.timing.cost
 
 
 def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings) -> PrefillRecord:
-    cost = step_cost(engine, r.step)
+    cost = step_cost(engine, r)
     device_ms = rec.device_ms(r)
     wall_ms = (r.step.t_sampled_ns - r.step.t_start_ns) / 1e6
     line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
     return PrefillRecord(r.step.num_tokens, device_ms, r.step.host_work_ns / 1e6,
                          rec.clock.ms(r.step.t_start_ns), cost.flops, cost.bytes, line.mfu, line.mbu, line,
-                         cost.parts, r.batch_size, r.others)
+                         cost.parts, r.batch_size, sorted(r.others()))
 
 
 def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceilings: Ceilings,
-                   token_text, previous_end_ns: int) -> tuple[list[DecodeStep], list[Cost]]:
+                   token_text, previous: StepRecord) -> tuple[list[DecodeStep], list[Cost]]:
     """A step's wall time is its inter-token latency: from the previous token on the host to its own (with
     lookahead a step is launched before the one ahead of it completes, so launch-to-end would count twice).
     A step that recomputes the request after a preemption is a prefill, and is costed as one."""
     steps, costs = [], []
+    previous_end_ns, before = previous.step.t_end_ns, previous.others()
     for i, r in enumerate(records, start=1):
-        cost = step_cost(engine, r.step)
+        cost = step_cost(engine, r)
         device_ms = rec.device_ms(r)
         wall_ms = (r.step.t_end_ns - previous_end_ns) / 1e6
         previous_end_ns = r.step.t_end_ns
         line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
-        token = r.step.tokens[[s.request_id for s in r.step.seqs].index(rec.request_id)]
+        token = r.step.tokens[r.position]
+        others = r.others()
         steps.append(DecodeStep(i, rec.clock.ms(r.step.t_start_ns), rec.clock.ms(r.step.t_end_ns), device_ms,
                                 r.step.host_work_ns / 1e6, r.context_len, r.batch_size, token, token_text(token),
                                 cost.flops, cost.bytes, cost.part("kv_read", "bytes"), line.mbu, line.mfu,
-                                line.bound.kind, r.others))
+                                line.bound.kind, sorted(others - before), sorted(before - others)))
+        before = others
         costs.append(cost)
     return steps, costs
 
@@ -313,8 +345,9 @@ def batching_record(rec: RequestTrace, queue_ms: float) -> BatchingRecord:
     sizes = [r.batch_size for r in rec.steps] or [1]
     shared: dict[str, int] = {}
     for r in rec.steps:
-        for other in r.others:
-            shared[other] = shared.get(other, 0) + 1
+        if r.batch_size > 1:
+            for other in r.others():
+                shared[other] = shared.get(other, 0) + 1
     stalls = [Stall(rec.clock.ms(step.t_start_ns), rec.device_ms(timing), [s.request_id for s in step.seqs],
                     step.num_tokens) for step, timing in rec.stalls if timing.end is not None]
     return BatchingRecord(queue_ms, max(sizes), sum(sizes) / len(sizes),

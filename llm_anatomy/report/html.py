@@ -427,7 +427,8 @@ def _step_rows(a: Anatomy) -> tuple[list[dict], list[dict], int]:
         return dict(index=s.index, start=_fixed(s.start_ms), gpu=_fixed(s.gpu_ms), host=_fixed(s.host_ms),
                     ctx=s.context_len, batch=s.batch_size, token_id=s.token_id, token=_token_repr(s.token_text),
                     gflop=_scaled(s.flops, 1e9), mb=_scaled(s.bytes, 1e6), kv_mb=_scaled(s.kv_bytes_read, 1e6),
-                    mbu=_pct(s.mbu), mfu=_pct(s.mfu), bound=s.bound, others=", ".join(map(str, s.others)))
+                    mbu=_pct(s.mbu), mfu=_pct(s.mfu), bound=s.bound,
+                    batch_change=" ".join([f"+{x}" for x in s.joined] + [f"\u2212{x}" for x in s.left]))
 
     steps = a.decode_steps
     if len(steps) <= 2 * STEP_ROWS:
@@ -518,7 +519,7 @@ _TEMPLATE = r"""{% macro step_row(r) %}
 <tr><td>{{ r.index }}</td><td>{{ r.start }}</td><td>{{ r.gpu }}</td><td>{{ r.host }}</td><td>{{ r.ctx }}</td>
 <td>{{ r.batch }}</td><td>{{ r.token_id }}</td><td class="l"><code>{{ r.token }}</code></td><td>{{ r.gflop }}</td>
 <td>{{ r.mb }}</td><td>{{ r.kv_mb }}</td><td>{{ r.mbu }}</td><td>{{ r.mfu }}</td><td class="l">{{ r.bound }}</td>
-<td class="l">{{ r.others }}</td></tr>
+<td class="l">{{ r.batch_change }}</td></tr>
 {% endmacro %}
 <!DOCTYPE html>
 <html lang="en">
@@ -723,7 +724,7 @@ _TEMPLATE = r"""{% macro step_row(r) %}
   <h2>Decode steps</h2>
   <p class="why">One row per decode step{% if steps_omitted %}: the first and last {{ steps_first|length }}, {{ steps_omitted }} in between left out{% endif %}.</p>
   <div class="scroll"><table>
-    <tr><th>step</th><th>start ms</th><th>GPU ms</th><th>host ms</th><th>context</th><th>batch</th><th>token id</th><th class="l">token</th><th>GFLOP</th><th>MB moved</th><th>KV MB read</th><th>MBU</th><th>MFU</th><th class="l">bound</th><th class="l">others</th></tr>
+    <tr><th>step</th><th>start ms</th><th>GPU ms</th><th>host ms</th><th>context</th><th>batch</th><th>token id</th><th class="l">token</th><th>GFLOP</th><th>MB moved</th><th>KV MB read</th><th>MBU</th><th>MFU</th><th class="l">bound</th><th class="l" title="other requests that joined (+) or left (&minus;) the batch since the step before">batch change</th></tr>
     {% for r in steps_first %}{{ step_row(r) }}
     {% endfor %}
     {% if steps_omitted %}<tr><td colspan="15" class="l">… {{ steps_omitted }} steps left out …</td></tr>{% endif %}

@@ -119,7 +119,7 @@ def build_trace(anatomy: Anatomy) -> dict:
                              "context_len": s.context_len, "batch_size": s.batch_size, "gpu_ms": s.gpu_ms,
                              "host_ms": s.host_ms, "flops": s.flops, "bytes": s.bytes,
                              "kv_bytes_read": s.kv_bytes_read, "mbu": s.mbu, "mfu": s.mfu, "bound": s.bound,
-                             "others": list(s.others)}})
+                             "joined": list(s.joined), "left": list(s.left)}})
 
     # ---- thread metadata; overlapping spans get extra lanes (tid 1, 11, 12, ... for host; 2, 21, ... for GPU)
     meta("process_name", 0, {"name": f"llm-anatomy call {a.id}".strip()})

@@ -262,8 +262,10 @@ class EngineLoop:
                 return
             call, trace, result = item
             summary = None
+            t0 = time.perf_counter()
             try:
                 anatomy = self._anatomy(call, trace, result)
+                self.metrics.anatomy_build.labels(self.metrics.model).observe(time.perf_counter() - t0)
                 if anatomy is not None:
                     self.store.add(anatomy)
                     self.metrics.observe(anatomy)

@@ -82,6 +82,9 @@ class Metrics:
                                    registry=r)
         self.energy = Counter(PREFIX + "request_energy_joules", "Device energy over requests' spans (overlapping "
                               "requests each count the shared time).", m, registry=r)
+        self.anatomy_build = Histogram(PREFIX + "anatomy_build_seconds", "Time to build a finished call's anatomy "
+                                       "(off the engine thread; includes waiting for the energy counter's next "
+                                       "update).", m, buckets=TPOT_BUCKETS, registry=r)
         self.live = _Live(model, engine, telemetry)
         r.register(self.live)
         for family in (self.prompt_tokens, self.generation_tokens, self.preemptions):
