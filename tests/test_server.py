@@ -423,6 +423,24 @@ def test_tool_calls_are_parsed_from_qwen3_output():
     assert split_tool_calls("<tool_call>not json</tool_call>", "r2") == ("<tool_call>not json</tool_call>", [])
     assert _before_tool_call("abc <tool_") == 4 and _before_tool_call("abc <tool_call>{") == 4
     assert _before_tool_call("plain") == 5
+    two = text + '<tool_call>{"name": "time", "arguments": {}}</tool_call> done'
+    content, calls = split_tool_calls(two, "r3")
+    assert [c["function"]["name"] for c in calls] == ["weather", "time"] and content == "Let me look.\n done"
+    _, first = split_tool_calls(two, "r4", most=1)
+    assert [c["function"]["name"] for c in first] == ["weather"]
+
+
+def test_tools_reach_the_template(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    raw = server.client().chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, tools=tools,
+                                                                    max_tokens=3)
+    a = Anatomy.from_json(httpx.get(f"{server.url}/v1/anatomy/{raw.headers['x-anatomy-id']}").text)
+    assert "get_weather" in a.prompt_text and "<tools>" in a.prompt_text
+    raw = server.client().chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, tools=tools,
+                                                                    tool_choice="none", max_tokens=3)
+    a = Anatomy.from_json(httpx.get(f"{server.url}/v1/anatomy/{raw.headers['x-anatomy-id']}").text)
+    assert "get_weather" not in a.prompt_text
 
 
 # ---- the command, as a process: SIGTERM drains, a restart keeps the anatomies ------------------------------------------

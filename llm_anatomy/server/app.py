@@ -208,7 +208,7 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
                     continue
                 rest, calls, reason = text[sent:], [], event.finish_reason
                 if req.parse_tool_calls:
-                    content, calls = split_tool_calls(rest, call.id)
+                    content, calls = split_tool_calls(rest, call.id, None if req.parallel_tool_calls else 1)
                     rest = content or ""
                     reason = "tool_calls" if calls else reason
                 if rest or calls:

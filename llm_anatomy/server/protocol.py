@@ -149,6 +149,7 @@ class Request:
     include_usage: bool
     want_anatomy: bool
     echo: bool = False
+    parallel_tool_calls: bool = True  # false: at most one tool call per answer (the first the model wrote)
     user: str | None = None
     shown: dict = field(default_factory=dict)  # the request as recorded in its anatomy
 
@@ -213,7 +214,8 @@ def chat_request(body: ChatCompletionRequest) -> Request:
     return Request("chat", body.model, messages, None, None, {**sampling, "max_tokens": max_tokens},
                    max_tokens is not None, thinking, tools, tools is not None, bool(body.stream),
                    bool(body.stream_options and body.stream_options.include_usage), body.anatomy,
-                   user=body.user, shown={"messages": messages, **shown})
+                   parallel_tool_calls=body.parallel_tool_calls is not False, user=body.user,
+                   shown={"messages": messages, **shown})
 
 
 def completion_request(body: CompletionRequest) -> Request:
@@ -246,11 +248,13 @@ def completion_request(body: CompletionRequest) -> Request:
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def split_tool_calls(text: str, request_id: str) -> tuple[str | None, list[dict]]:
-    """(content without the tool-call blocks, the calls as OpenAI tool_calls). A block whose JSON does not
-    parse, or lacks a name, stays in the content: the client sees what the model wrote."""
+def split_tool_calls(text: str, request_id: str, most: int | None = None) -> tuple[str | None, list[dict]]:
+    """(content without the tool-call blocks, the calls as OpenAI tool_calls, at most `most` of them). A block
+    whose JSON does not parse, or lacks a name, stays in the content: the client sees what the model wrote."""
     calls, kept, last = [], [], 0
     for m in TOOL_CALL.finditer(text):
+        if most is not None and len(calls) >= most:
+            break
         try:
             call = json.loads(m.group(1))
         except json.JSONDecodeError:
@@ -281,7 +285,8 @@ def response_id(req: Request, request_id: str) -> str:
 def completion_body(req: Request, request_id: str, created: int, text: str, finish_reason: str,
                     prompt_tokens: int, completion_tokens: int) -> dict:
     if req.chat:
-        content, calls = split_tool_calls(text, request_id) if req.parse_tool_calls else (text, [])
+        content, calls = split_tool_calls(text, request_id, None if req.parallel_tool_calls else 1) \
+            if req.parse_tool_calls else (text, [])
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
