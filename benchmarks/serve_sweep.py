@@ -73,6 +73,8 @@ def _client_process(url: str, model: str, streams: list[list[list[int]]], max_to
     async def main():
         limits = httpx.Limits(max_connections=len(streams) + 4, max_keepalive_connections=len(streams) + 4)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            # open every stream's connection (and warm the client's code paths) before the clock starts
+            await asyncio.gather(*(client.get(url + "/v1/models") for _ in streams))
             await asyncio.sleep(max(0.0, start_at - time.time()))
             done = await asyncio.gather(*(stream_worker(client, q) for q in streams))
         return [r for rs in done for r in rs]
