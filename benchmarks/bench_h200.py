@@ -260,6 +260,10 @@ def section_ours(ctx) -> dict:
     for n in (2048, 8192):
         cost = prefill_cost(cfg, torch.bfloat16, [(n, 0)])
         out[f"prefill_{n}_floor_ms"] = cost.flops / (ceilings.matmul_tflops * 1e12) * 1e3
+    from llm_anatomy.kernels.gemv import _gemv_kernel
+
+    # which tile the autotuner picked per shape: decode TPOT varies from one process to the next
+    out["gemv_configs"] = {str(k): str(v) for k, v in _gemv_kernel.cache.items()}
     return out
 
 
