@@ -199,7 +199,7 @@ def section_correctness(ctx) -> dict:
         seq = engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=steps + 1, ignore_eos=True))
         rows = []
         run = engine.runner.run
-        engine.runner.run = lambda s, p, a=None: rows.append(run(s, p, a)[0].clone()) or rows[-1][None]
+        engine.runner.run = lambda b, a=None: rows.append(run(b, a)[0].clone()) or rows[-1][None]
         try:
             while not seq.finished:
                 engine.step()

@@ -83,8 +83,8 @@ def main():
     step_logits = []
     run = engine.runner.run
 
-    def recording(seqs, is_prefill, ahead=None):
-        logits = run(seqs, is_prefill, ahead)
+    def recording(batch, ahead=None):
+        logits = run(batch, ahead)
         step_logits.append(logits[0].clone())
         return logits
 

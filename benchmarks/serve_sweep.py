@@ -123,9 +123,10 @@ def bare_engine(model: str, levels: list[int], prompt_len: int, max_tokens: int)
 
 
 # ---- the server -----------------------------------------------------------------------------------------------------
-def start_server(model: str, port: int, run_dir: Path, max_num_seqs: int, log: Path) -> subprocess.Popen:
+def start_server(model: str, port: int, run_dir: Path, max_num_seqs: int, log: Path, extra: list[str]
+                 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "llm_anatomy.cli", "serve", model, "--weights", "synthetic", "--port", str(port),
-           "--run-dir", str(run_dir), "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"]
+           "--run-dir", str(run_dir), "--max-num-seqs", str(max_num_seqs), "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -169,6 +170,9 @@ def server_view(url: str, records: list[dict]) -> dict:
         "decode_gpu_ms_p50": pct([s["gpu_ms"] for a in anatomies for s in a["decode_steps"]], 50),
         "queue_ms_p50": pct([a["batching"]["queue_ms"] for a in anatomies], 50),
         "stall_ms_mean": statistics.mean(a["batching"]["stall_ms"] for a in anatomies),
+        "prefill_steps_mean": statistics.mean(a["prefill"].get("steps", 1) for a in anatomies),
+        "mixed_decode_steps_share": (sum(1 for a in anatomies for s in a["decode_steps"]
+                                         if s.get("step_tokens", 1) > s["batch_size"]) / max(1, len(batch))),
         "mean_batch": statistics.mean(batch) if batch else None,
         "max_batch": max(batch) if batch else None,
         "decode_mbu_p50": pct([a["decode"]["roofline"]["mbu"] for a in anatomies if a["decode"]], 50),
@@ -184,6 +188,7 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=2, help="requests per stream at each level (default 2)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--no-baseline", action="store_true", help="skip the bare-engine comparison")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="passed to the server (default: its own)")
     ap.add_argument("--out", type=Path, default=Path("serve_sweep.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -204,7 +209,8 @@ def main() -> None:
     run_dir = args.out.parent / "serve_run"
     url = f"http://127.0.0.1:{args.port}"
     t_start = time.monotonic()
-    proc = start_server(args.model, args.port, run_dir, max(levels), args.out.parent / "server.log")
+    extra = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []
+    proc = start_server(args.model, args.port, run_dir, max(levels), args.out.parent / "server.log", extra)
     result["server_start_s"] = time.monotonic() - t_start
     try:
         run_level(url, args.model, 2, prompts(2, args.prompt_tokens, 7), 16)  # warm the path end to end

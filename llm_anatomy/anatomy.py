@@ -66,8 +66,9 @@ class PrefillRecord:
     mbu: float | None
     roofline: Roofline
     cost_breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
-    batch_size: int = 1  # sequences prefilled in the same step (flops, bytes and times are the step's)
+    batch_size: int = 1  # sequences in the same step (flops, bytes and times are the whole step's)
     others: list[str] = field(default_factory=list)  # the other requests in that step
+    steps: int = 1  # >1: the prompt was prefilled in chunks over several steps (then summed over them)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class DecodeStep:
     # joined it and that left it. Who else was in each step follows from PrefillRecord.others and these.
     joined: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
+    step_tokens: int = 1  # tokens the whole step forwarded: above batch_size, it also prefilled others' prompts
 
 
 @dataclass

@@ -169,3 +169,18 @@ def test_cli_report_rejects_non_anatomy(capsys, tmp_path):
     path.write_text('{"schema_version": "1.0"}')
     code, out, err = run_cli(capsys, "report", str(path))
     assert code == 2 and "is not an Anatomy JSON" in err
+
+
+def test_a_prompt_prefilled_in_chunks(tiny):
+    engine = Engine.from_pretrained(tiny, device="cpu", dtype=torch.float32, kv_cache_tokens=256, block_size=4,
+                                    max_num_batched_tokens=8)
+    ceilings = Ceilings("cpu", read_gbps=20.0, gemv_gbps=15.0, matmul_tflops=0.5, datasheet_gbps=None,
+                        datasheet_tflops=None, measured_at="2026-11-29")
+    request = CallRequest(prompt_token_ids=list(range(100, 130)), sampling=dict(max_tokens=5, temperature=0,
+                                                                               ignore_eos=True))
+    result, a = measure_call(engine, request, ceilings)
+    assert a.prefill.steps == 4 and a.prefill.tokens == 30  # 8 + 8 + 8 + 6
+    assert len(a.decode_steps) == 4 and a.output_token_ids == result.output_token_ids
+    whole = Engine.from_pretrained(tiny, device="cpu", dtype=torch.float32, kv_cache_tokens=256, block_size=4)
+    assert whole.generate(prompt_token_ids=list(range(100, 130)), max_tokens=5, temperature=0,
+                          ignore_eos=True).output_token_ids == result.output_token_ids

@@ -61,21 +61,33 @@ def test_yarn_long_positions_match_hf(save_tiny):
     assert rel_err(all_logits(engine, ids), ref) < 1e-4
 
 
-def test_paged_decode_equals_full_recompute(save_tiny):
+@pytest.mark.parametrize("budget", [None, 6])
+def test_paged_decode_equals_full_recompute(save_tiny, budget):
     """Several sequences of different lengths, prefilled together then decoded over small blocks, give the
-    logits of a full recompute at every step."""
+    logits of a full recompute at every step. With a budget of 6 tokens a step, the prompts are prefilled in
+    chunks, in steps that also decode the sequences already running (chunked prefill)."""
     directory, hf = save_tiny(num_attention_heads=8, num_key_value_heads=2)
-    engine = load(directory, block_size=4)
+    engine = load(directory, block_size=4, max_num_batched_tokens=budget)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 13, 1)]
     seqs = [engine.add_request(p, engine.sampling_params(temperature=0, max_tokens=12, ignore_eos=True))
             for p in prompts]
+    shapes = []
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        batch = schedule()
+        if batch is not None:
+            shapes.append((batch.num_decodes, list(batch.query_lens), len(batch.sampled)))
+        return batch
+
+    engine.scheduler.schedule = watched
     step_logits = {s.request_id: [] for s in seqs}
     runner_run = engine.runner.run
 
-    def recording_run(batch_seqs, is_prefill, ahead=None):
-        logits = runner_run(batch_seqs, is_prefill, ahead)
-        for s, row in zip(batch_seqs, logits):
+    def recording_run(batch, ahead=None):
+        logits = runner_run(batch, ahead)
+        for s, row in zip(batch.sampled, logits):
             step_logits[s.request_id].append(row.clone())
         return logits
 
@@ -91,6 +103,10 @@ def test_paged_decode_equals_full_recompute(save_tiny):
         assert got.shape == expect.shape
         assert rel_err(got, expect) < 1e-4
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    if budget:  # chunks happened, and decodes rode along with them
+        assert all(sum(lens) <= budget for _, lens, _ in shapes)
+        assert any(d and len(lens) > d for d, lens, _ in shapes)
+        assert any(n < len(lens) for _, lens, n in shapes)  # a step with a prompt chunk that sampled nothing
 
 
 @pytest.mark.parametrize("case", ["qwen3-gqa2", "qwen3-tied", "qwen2-bias"])

@@ -23,7 +23,7 @@ from .events import Observer, Step
 from .kv_cache import BlockTable, KVCachePool
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
-from .scheduler import Scheduler, Sequence
+from .scheduler import ScheduledBatch, Scheduler, Sequence
 
 log = logging.getLogger("llm_anatomy")
 
@@ -67,10 +67,9 @@ class GenerationResult:
 class _Pending:
     """A launched step whose sampled tokens are still on the device."""
 
-    seqs: list[Sequence]
-    is_prefill: bool
+    batch: ScheduledBatch
     step: Step | None
-    tokens: torch.Tensor | None = None  # on the device
+    tokens: torch.Tensor | None = None  # on the device, one per batch.sampled
     host_tokens: torch.Tensor | None = None  # their copy in pinned host memory (CUDA), in flight
     copied: torch.cuda.Event | None = None  # recorded after that copy
 
@@ -124,6 +123,9 @@ class Engine:
             raise AnatomyError(f"max_model_len must be in 1..{config.max_position_embeddings} "
                                f"(the model's max_position_embeddings), got {max_model_len}")
         self.max_model_len = max_model_len or config.max_position_embeddings
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise AnatomyError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        # Tokens forwarded per step: longer prompts are prefilled in chunks of this size.
         self.max_num_batched_tokens = max_num_batched_tokens or min(self.max_model_len, 8192)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -327,40 +329,43 @@ class Engine:
         if self._can_run_ahead(pending):
             self._ahead = self._launch_ahead(pending)
         self._complete(pending)
-        return pending.seqs
+        return pending.batch.seqs
 
     def _launch(self) -> "_Pending | None":
         observers = self.observers
         t_start = time.perf_counter_ns() if observers else 0
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        batch = self.scheduler.schedule()
+        if batch is None:
             return None
         step = None
         if observers:
-            step = Step(next(self._steps), is_prefill, seqs, [s.num_tokens - s.num_cached for s in seqs],
-                        [s.num_tokens for s in seqs], t_start, t_launch_ns=time.perf_counter_ns())
-        return self._run(_Pending(seqs, is_prefill, step), None)
+            step = Step(next(self._steps), batch.is_prefill, batch.seqs, list(batch.query_lens),
+                        [s.num_cached + n for s, n in zip(batch.seqs, batch.query_lens)], t_start,
+                        t_launch_ns=time.perf_counter_ns())
+        return self._run(_Pending(batch, step), None)
 
     def _launch_ahead(self, previous: "_Pending") -> "_Pending":
         """The decode step after `previous`, taking its sampled tokens straight from the device."""
-        seqs = previous.seqs
+        seqs = previous.batch.seqs
         step = None
         if self.observers:
             now = time.perf_counter_ns()
             step = Step(next(self._steps), False, seqs, [1] * len(seqs), [s.num_tokens + 1 for s in seqs], now,
                         t_launch_ns=now)
-        return self._run(_Pending(seqs, False, step), previous.tokens)
+        batch = ScheduledBatch(seqs, [1] * len(seqs), False, seqs, len(seqs))
+        return self._run(_Pending(batch, step), previous.tokens)
 
     def _run(self, pending: "_Pending", ahead_tokens) -> "_Pending":
-        seqs, step = pending.seqs, pending.step
+        step, sampled = pending.step, pending.batch.sampled
         for o in self.observers:
             o.on_launch(step)
-        logits = self.runner.run(seqs, pending.is_prefill, ahead_tokens)
-        pending.tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                      [s.output_counts for s in seqs])
-        if self.device.type == "cuda":  # queue the copy now, ahead of any step launched after this one
+        logits = self.runner.run(pending.batch, ahead_tokens)
+        if sampled:
+            pending.tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled],
+                                          [s.output_counts for s in sampled])
+        if sampled and self.device.type == "cuda":  # queue the copy now, ahead of any step launched after this one
             self._host_flip ^= 1
-            pending.host_tokens = self._host_tokens[self._host_flip, :len(seqs)]
+            pending.host_tokens = self._host_tokens[self._host_flip, :len(sampled)]
             pending.host_tokens.copy_(pending.tokens, non_blocking=True)
             pending.copied = torch.cuda.Event()
             pending.copied.record()
@@ -373,24 +378,29 @@ class Engine:
     def _can_run_ahead(self, p: "_Pending") -> bool:
         """Only when the next step is certain to be a decode of exactly these sequences (nothing waiting to be
         admitted, nobody about to hit a length limit) and its cache blocks can be held now."""
-        if not self.lookahead or self.scheduler.waiting or self.scheduler.running != p.seqs:
+        seqs = p.batch.seqs
+        if not self.lookahead or self.scheduler.waiting or self.scheduler.running != seqs or p.batch.sampled != seqs:
             return False
-        for s in p.seqs:  # the host is one step behind p: p's tokens will make it num_tokens + 1
+        for s in seqs:  # the host is one step behind p: p's tokens will make it num_tokens + 1
             if s.output_counts is not None or len(s.output_token_ids) + 1 >= s.params.max_tokens or \
                     s.num_tokens + 1 >= self.max_model_len:
                 return False
-        return all(s.block_table.ensure(s.num_tokens + 1) for s in p.seqs)
+        return all(s.block_table.ensure(s.num_tokens + 1) for s in seqs)
 
     def _complete(self, p: "_Pending") -> None:
         """Read the step's tokens back (the one sync per step) and append them."""
-        step = p.step
-        tokens = p.read_tokens()
+        step, batch = p.step, p.batch
+        tokens = dict(zip(map(id, batch.sampled), p.read_tokens())) if batch.sampled else {}
         if step is not None:
-            step.t_sampled_ns, step.tokens = time.perf_counter_ns(), tokens
-        for seq, token in zip(p.seqs, tokens):
+            step.t_sampled_ns = time.perf_counter_ns()
+            step.tokens = [tokens.get(id(s)) for s in batch.seqs]
+        for seq, n in zip(batch.seqs, batch.query_lens):
             if seq.finished:  # ended (stop token, abort) while this step was already in flight
                 continue
-            seq.num_cached = seq.num_tokens
+            seq.num_cached += n
+            token = tokens.get(id(seq))
+            if token is None:  # a chunk of a prompt: no token yet
+                continue
             t = time.perf_counter_ns() if step is not None else 0
             self._append_token(seq, token)
             if step is not None:

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Step:
-    """One engine step (a prefill of admitted sequences, or a decode of all running ones)."""
+    """One engine step: a pure decode of the running sequences, or a step that also prefills (whole prompts
+    or chunks of them), with the running sequences' decodes riding along."""
 
     index: int
     is_prefill: bool
@@ -25,7 +26,7 @@ class Step:
     t_sampled_ns: int = 0  # the sampled tokens are on the host
     t_end_ns: int = 0  # tokens appended, detokenized, stop conditions checked
     detokenize_ns: int = 0  # part of [t_sampled, t_end] spent detokenizing
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int | None] = field(default_factory=list)  # per sequence; None: a prompt chunk, no token
     finished: list[str] = field(default_factory=list)  # request ids this step finished
 
 

@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into tensors, runs the network and returns the logits of each sequence's last token.
+"""Turns a scheduled batch into tensors, runs the network and returns the logits of each sampled sequence's
+last token.
 
 On CUDA, decode steps replay CUDA graphs: one per batch-size bucket, captured once at start-up over fixed
 input buffers (sharing one memory pool), so a step is a handful of small copies and one launch instead of
@@ -15,7 +16,7 @@ import torch
 from ..models.attention import AttentionBatch
 from ..models.qwen3 import Qwen3ForCausalLM
 from .kv_cache import KVCachePool
-from .scheduler import Sequence
+from .scheduler import ScheduledBatch, Sequence
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # A short prompt's prefill launches ~400 kernels for a few ms of GPU work: replay it from a graph too
@@ -42,45 +43,47 @@ class ModelRunner:
         return self._tensor([s.block_table.blocks + [0] * (width - len(s.block_table.blocks)) for s in seqs],
                             torch.int32)
 
-    def prepare(self, seqs: list[Sequence], is_prefill: bool, ahead: int = 0):
+    def prepare(self, batch: ScheduledBatch, ahead: int = 0):
         """Inputs of a step. `ahead`=1: a decode step launched before the previous one's tokens reached the
         host, so each sequence is one position further than its host-side tokens say."""
-        input_ids, positions, slots = [], [], []
-        query_lens, prefix_lens = [], []
-        for seq in seqs:
-            start, end = (seq.num_cached, seq.num_tokens) if is_prefill else (seq.num_tokens - 1, seq.num_tokens)
-            start, end = start + ahead, end + ahead
+        input_ids, positions, slots, prefix_lens = [], [], [], []
+        for seq, n in zip(batch.seqs, batch.query_lens):
+            # ahead: the host has not yet counted the step before as cached; it forwards the newest token
+            start = seq.num_tokens - 1 + ahead if ahead else seq.num_cached
             if not ahead:
-                input_ids += seq.token_ids(start, end)
-            positions += range(start, end)
-            slots += seq.block_table.slots(start, end)
-            query_lens.append(end - start)
+                input_ids += seq.token_ids(start, start + n)
+            positions += range(start, start + n)
+            slots += seq.block_table.slots(start, start + n)
             prefix_lens.append(start)
-        batch = AttentionBatch(
+        attn = AttentionBatch(
             k_cache=self.pool.k, v_cache=self.pool.v,
             slot_mapping=self._tensor(slots),
-            is_prefill=is_prefill,
-            block_tables=self._block_tables(seqs),
-            context_lens=self._tensor([s.num_tokens + ahead for s in seqs], torch.int32),
-            query_lens=tuple(query_lens), prefix_lens=tuple(prefix_lens),
+            is_prefill=batch.is_prefill,
+            block_tables=self._block_tables(batch.seqs),
+            context_lens=self._tensor([p + n for p, n in zip(prefix_lens, batch.query_lens)], torch.int32),
+            query_lens=tuple(batch.query_lens), prefix_lens=tuple(prefix_lens), num_decodes=batch.num_decodes,
         )
-        last = torch.tensor(query_lens).cumsum(0) - 1
-        return self._tensor(input_ids), self._tensor(positions), batch, last.to(self.device)
+        ends = torch.tensor(batch.query_lens).cumsum(0) - 1
+        sampled = set(map(id, batch.sampled))
+        last = ends[[i for i, s in enumerate(batch.seqs) if id(s) in sampled]]
+        return self._tensor(input_ids), self._tensor(positions), attn, last.to(self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, ahead_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward the batch, write its K/V, and return float32 logits [len(seqs), vocab]. With `ahead_tokens`
-        (a decode step's sampled tokens, still on the device) this decode step takes them as its input."""
-        if not is_prefill and self.graphs and len(seqs) <= self.max_graph_batch:
+    def run(self, batch: ScheduledBatch, ahead_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward the batch, write its K/V, and return float32 logits [len(batch.sampled), vocab]. With
+        `ahead_tokens` (a decode step's sampled tokens, still on the device) this decode step takes them as
+        its input."""
+        seqs = batch.seqs
+        if not batch.is_prefill and self.graphs and len(seqs) <= self.max_graph_batch:
             return self._replay(seqs, ahead_tokens)
-        if is_prefill and self.prefill_graphs and len(seqs) == 1 and seqs[0].num_cached == 0 \
-                and seqs[0].num_tokens <= GRAPH_PREFILL_TOKENS[-1]:
+        if batch.is_prefill and self.prefill_graphs and len(seqs) == 1 and seqs[0].num_cached == 0 \
+                and batch.query_lens[0] == seqs[0].num_tokens <= GRAPH_PREFILL_TOKENS[-1]:
             return self._replay_prefill(seqs[0])
-        input_ids, positions, batch, last = self.prepare(seqs, is_prefill, ahead=int(ahead_tokens is not None))
+        input_ids, positions, attn, last = self.prepare(batch, ahead=int(ahead_tokens is not None))
         if ahead_tokens is not None:
             input_ids = ahead_tokens
-        hidden = self.model(input_ids, positions, batch)
-        return self.model.compute_logits(hidden[last] if is_prefill else hidden)
+        hidden = self.model(input_ids, positions, attn)
+        return self.model.compute_logits(hidden[last])
 
     # ---- CUDA graphs for decode ------------------------------------------------------------------------
     @torch.inference_mode()

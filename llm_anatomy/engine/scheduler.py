@@ -1,8 +1,13 @@
 """Requests in flight and the scheduler that batches them (continuous batching over the paged pool).
 
-Each step is either a prefill of newly admitted sequences or a decode of every running one. When the pool
-runs out of blocks mid-decode, the newest running sequence is preempted: its blocks are freed and it is
-recomputed later from its tokens (prompt + output so far), so nothing is lost.
+Every step forwards, within a token budget, each running sequence's next tokens: one for a sequence that is
+decoding, the next chunk of its prompt for one being prefilled; then new requests are admitted into what
+is left of the budget (a prompt longer than that is prefilled in chunks over several steps). So running
+sequences keep decoding while new prompts are prefilled: their tokens ride along in the prefill's matrix
+products instead of waiting for it (chunked prefill). A step where every sequence forwards just its newest
+token is a pure decode step (the CUDA-graph path). When the pool runs out of blocks, the newest running
+sequence is preempted: its blocks are freed and it is recomputed later from its tokens (prompt + output so
+far), so nothing is lost.
 """
 
 from __future__ import annotations
@@ -58,6 +63,23 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def decoding(self) -> bool:
+        """Everything but its newest token is cached: its next step forwards that one token."""
+        return self.num_cached == self.num_tokens - 1
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: each sequence with the tokens it forwards (decoding ones first); `sampled` are those whose
+    last token is among them, which get a new token (a chunk in the middle of a prompt does not)."""
+
+    seqs: list[Sequence]
+    query_lens: list[int]
+    is_prefill: bool  # not a pure decode step: some sequence forwards more than its newest token
+    sampled: list[Sequence]
+    num_decodes: int  # the first num_decodes sequences each forward their newest token only
+
 
 class Scheduler:
     def __init__(self, pool: KVCachePool, max_num_seqs: int, max_num_batched_tokens: int):
@@ -73,34 +95,45 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences of the next step, and whether it is a prefill."""
-        batch, tokens = [], 0
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
-            seq = self.waiting[0]
-            new_tokens = seq.num_tokens - seq.num_cached
-            if batch and tokens + new_tokens > self.max_num_batched_tokens:
-                break
-            if not seq.block_table.ensure(seq.num_tokens):
-                break  # wait for running sequences to free blocks
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            batch.append(seq)
-            tokens += new_tokens
-        if batch:
-            self.running.extend(batch)
-            return batch, True
-
-        # Decode: every running sequence writes one more position.
-        for seq in list(self.running):
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch, or None when there is nothing to run."""
+        budget = self.max_num_batched_tokens
+        seqs, lens = [], []
+        # Running sequences first, decoding ones before prompts being chunked, so that decodes always fit.
+        for seq in sorted(self.running, key=lambda s: not s.decoding):
             if seq not in self.running:
                 continue  # preempted below while making room for an earlier one
-            while not seq.block_table.ensure(seq.num_tokens):
+            take = min(seq.num_tokens - seq.num_cached, budget)
+            if take <= 0:
+                continue
+            while not seq.block_table.ensure(seq.num_cached + take):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
-        return list(self.running), False
+            if seq in self.running:
+                seqs.append(seq)
+                lens.append(take)
+                budget -= take
+        # Then new requests, into what is left of the budget.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            take = min(seq.num_tokens - seq.num_cached, budget)
+            if not seq.block_table.ensure(seq.num_cached + take):
+                break  # wait for running sequences to free blocks
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            lens.append(take)
+            budget -= take
+        if not seqs:
+            return None
+        decodes = 0  # the leading run of single-token decodes (sorted first above)
+        while decodes < len(seqs) and lens[decodes] == 1 and seqs[decodes].decoding:
+            decodes += 1
+        sampled = [s for s, n in zip(seqs, lens) if s.num_cached + n == s.num_tokens]
+        return ScheduledBatch(seqs, lens, decodes < len(seqs), sampled, decodes)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

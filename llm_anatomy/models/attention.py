@@ -2,7 +2,8 @@
 
 The batch is a flat list of tokens; `AttentionBatch` says which sequence each belongs to and where its
 context lives. Prefill uses SDPA per sequence (GQA through `enable_gqa`, no repeated KV); decode reads
-each sequence's blocks through its block table.
+each sequence's blocks through its block table. A step that mixes the two (chunked prefill) puts its
+decoding sequences first: their single tokens take the decode path together, the rest the prefill path.
 """
 
 from __future__ import annotations
@@ -24,15 +25,26 @@ class AttentionBatch:
     context_lens: torch.Tensor  # [seqs] int32: tokens of context after this step, new ones included
     query_lens: tuple[int, ...] = ()  # prefill only: new tokens per sequence, in order
     prefix_lens: tuple[int, ...] = ()  # prefill only: tokens already cached before this step
+    num_decodes: int = 0  # prefill only: the first num_decodes sequences forward one token each (decodes)
+
+    def prefill_part(self) -> "AttentionBatch":
+        """The sequences after the leading decodes, as a prefill batch of their own."""
+        d = self.num_decodes
+        return AttentionBatch(self.k_cache, self.v_cache, self.slot_mapping[d:], True, self.block_tables[d:],
+                              self.context_lens[d:], self.query_lens[d:], self.prefix_lens[d:])
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
     k_cache, v_cache = batch.k_cache[layer], batch.v_cache[layer]
     store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-    if batch.is_prefill:
+    if not batch.is_prefill:
+        return decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens)
+    d = batch.num_decodes
+    if not d:
         return prefill_attention(q, k, v, k_cache, v_cache, batch)
-    return decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens)
+    decoded = decode_attention(q[:d], k_cache, v_cache, batch.block_tables[:d], batch.context_lens[:d])
+    return torch.cat([decoded, prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, batch.prefill_part())])
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):

@@ -137,13 +137,18 @@ class Attention(nn.Module, FastPath):
                                self.k_norm.weight if self.qk_norm else None,
                                self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
                                batch.slot_mapping, k_cache, v_cache)
-        if batch.is_prefill:
-            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            k, v = flat_k[batch.slot_mapping], flat_v[batch.slot_mapping]  # this step's keys, as stored
-            return prefill_attention(q, k, v, k_cache, v_cache, batch)
-        return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                      self.head_dim ** -0.5)
+        scale = self.head_dim ** -0.5
+        if not batch.is_prefill:
+            return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
+        d = batch.num_decodes  # a mixed step (chunked prefill): its decodes first, on the decode kernel
+        decoded = paged_decode_attention(q[:d], k_cache, v_cache, batch.block_tables[:d], batch.context_lens[:d],
+                                         scale) if d else None
+        rest = batch.prefill_part() if d else batch
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k, v = flat_k[rest.slot_mapping], flat_v[rest.slot_mapping]  # this step's keys, as stored
+        prefilled = prefill_attention(q[d:], k, v, k_cache, v_cache, rest)
+        return prefilled if decoded is None else torch.cat([decoded, prefilled])
 
 
 class MLP(nn.Module, FastPath):

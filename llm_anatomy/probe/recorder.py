@@ -78,7 +78,8 @@ class RequestTrace:
     request_id: str
     added_ns: int = 0
     finished_ns: int = 0
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)  # the steps that made its tokens
+    chunks: list[StepRecord] = field(default_factory=list)  # its prompt's chunks before its first token
     stalls: list[tuple[Step, StepMeasure]] = field(default_factory=list)  # others' prefills while it was running
     seq: Sequence | None = None
 
@@ -151,9 +152,13 @@ class Recorder:
             return
         for trace, seq, record in opened[1]:
             # a step launched ahead for a request that had already finished produced nothing for it
-            if seq.num_cached == record.context_len:
-                record.kv_tokens = seq.num_cached
+            if seq.num_cached != record.context_len:
+                continue
+            record.kv_tokens = seq.num_cached
+            if step.tokens[record.position] is not None:
                 trace.steps.append(record)
+            elif not trace.steps:  # a chunk of its prompt (later ones, recomputing after a preemption, show
+                trace.chunks.append(record)  # in the inter-token latency of the step after them)
 
     def on_finish(self, seq: Sequence, t_ns: int) -> None:
         trace = self.traces.pop(seq.request_id, None)
@@ -269,13 +274,22 @@ def step_cost(engine, r: StepRecord) -> Cost:
 
 
 def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings) -> PrefillRecord:
-    cost = step_cost(engine, r)
-    device_ms = rec.device_ms(r)
-    wall_ms = (r.step.t_sampled_ns - r.step.t_start_ns) / 1e6
+    """The steps that prefilled the prompt (one, or its chunks then the step that completed it), together.
+    FLOPs, bytes and times are those of whole steps: with others in them, theirs too."""
+    records = rec.chunks + [r]
+    costs = [step_cost(engine, x) for x in records]
+    cost = Cost(sum(c.flops for c in costs), sum(c.bytes for c in costs))
+    parts = costs[0].parts if len(costs) == 1 else {
+        name: {key: sum(c.parts.get(name, {}).get(key, 0.0) for c in costs) for key in ("flops", "bytes")}
+        for name in costs[0].parts}
+    device_ms = sum(rec.device_ms(x) for x in records)
+    wall_ms = (r.step.t_sampled_ns - records[0].step.t_start_ns) / 1e6
     line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
-    return PrefillRecord(r.step.num_tokens, device_ms, r.step.host_work_ns / 1e6,
-                         rec.clock.ms(r.step.t_start_ns), cost.flops, cost.bytes, line.mfu, line.mbu, line,
-                         cost.parts, r.batch_size, sorted(r.others()))
+    others = sorted(set().union(*(x.others() for x in records)))
+    return PrefillRecord(sum(x.step.num_tokens for x in records), device_ms,
+                         sum(x.step.host_work_ns for x in records) / 1e6, rec.clock.ms(records[0].step.t_start_ns),
+                         cost.flops, cost.bytes, line.mfu, line.mbu, line, parts,
+                         max(x.batch_size for x in records), others, len(records))
 
 
 def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceilings: Ceilings,
@@ -296,7 +310,8 @@ def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceiling
         steps.append(DecodeStep(i, rec.clock.ms(r.step.t_start_ns), rec.clock.ms(r.step.t_end_ns), device_ms,
                                 r.step.host_work_ns / 1e6, r.context_len, r.batch_size, token, token_text(token),
                                 cost.flops, cost.bytes, cost.part("kv_read", "bytes"), line.mbu, line.mfu,
-                                line.bound.kind, sorted(others - before), sorted(before - others)))
+                                line.bound.kind, sorted(others - before), sorted(before - others),
+                                r.step.num_tokens))
         before = others
         costs.append(cost)
     return steps, costs
