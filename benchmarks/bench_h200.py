@@ -67,7 +67,8 @@ def timed_generate(engine: Engine, ids: list[int], new_tokens: int) -> dict:
     seq = engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     sync()
     t0 = time.perf_counter()
-    engine.step()
+    while not seq.output_token_ids:  # the prefill: one step, or chunks of a prompt longer than the budget
+        engine.step()
     t1 = time.perf_counter()
     steps = []
     while not seq.finished:
@@ -199,7 +200,13 @@ def section_correctness(ctx) -> dict:
         seq = engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=steps + 1, ignore_eos=True))
         rows = []
         run = engine.runner.run
-        engine.runner.run = lambda b, a=None: rows.append(run(b, a)[0].clone()) or rows[-1][None]
+        def recording(b, a=None, run=run, rows=rows):
+            logits = run(b, a)
+            if len(logits):  # a chunk of the prompt samples nothing
+                rows.append(logits[0].clone())
+            return logits
+
+        engine.runner.run = recording
         try:
             while not seq.finished:
                 engine.step()

@@ -189,6 +189,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--no-baseline", action="store_true", help="skip the bare-engine comparison")
     ap.add_argument("--max-num-batched-tokens", type=int, help="passed to the server (default: its own)")
+    ap.add_argument("--mixed-steps", action="store_true", help="passed to the server")
     ap.add_argument("--out", type=Path, default=Path("serve_sweep.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -210,6 +211,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     t_start = time.monotonic()
     extra = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []
+    extra += ["--mixed-steps"] if args.mixed_steps else []
     proc = start_server(args.model, args.port, run_dir, max(levels), args.out.parent / "server.log", extra)
     result["server_start_s"] = time.monotonic() - t_start
     try:

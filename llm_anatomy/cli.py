@@ -71,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the name clients give as `model` (repeatable; default: the model's name)")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default 64)")
     srv.add_argument("--max-model-len", type=int, help="context limit per request (default: the model's)")
-    srv.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                     help="tokens forwarded per step (default 2048): running requests decode in every step, new "
-                          "prompts fill the rest, in chunks if longer; larger favours time to first token, smaller "
-                          "the running requests' inter-token latency")
+    srv.add_argument("--max-num-batched-tokens", type=int,
+                     help="tokens forwarded per step (default: 8192, or the context if shorter); longer prompts are "
+                          "prefilled in chunks")
+    srv.add_argument("--mixed-steps", action="store_true",
+                     help="decode the running requests in every step, prompts filling the rest of it (lower time to "
+                          "first token under load; the default prefills first, in steps CUDA graphs cover)")
     srv.add_argument("--gpu-memory-utilization", type=float,
                      help="on a GPU, the fraction of its memory to use, the KV pool taking what the rest leaves "
                           "(default 0.9); or size the pool with --kv-cache-tokens")
@@ -212,7 +214,7 @@ def cmd_serve(args) -> int:
     for flag, value, low in (("--port", args.port, 0), ("--max-num-seqs", args.max_num_seqs, 1),
                              ("--keep-anatomies", args.keep_anatomies, 1), ("--max-body-bytes", args.max_body_bytes, 1),
                              ("--kv-cache-tokens", args.kv_cache_tokens, 1),
-                             ("--max-num-batched-tokens", args.max_num_batched_tokens, args.max_num_seqs)):
+                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1)):
         if value is not None and value < low:
             raise AnatomyError(f"{flag} must be >= {low}, got {value}")
     if args.port > 65535:
@@ -230,6 +232,7 @@ def cmd_serve(args) -> int:
     engine = Engine.from_pretrained(model, device=device, dtype=args.dtype, weights=args.weights,
                                     kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                    mixed_steps=args.mixed_steps,
                                     gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
     ceilings = datasheet_ceilings(device) if args.no_calibrate else load_or_calibrate(device, quick=True)
     names = tuple(args.served_model_name) or (engine.source.name,)

@@ -115,15 +115,15 @@ def test_gemv(rows, dtype):
     assert rel(gemv(x, w, gated=True), silu_mul_reference(F.linear(x, w))) < TOL[dtype]
 
 
-@pytest.mark.parametrize("budget", [None, 5])
-def test_fast_path_model_equals_reference(save_tiny, budget):
+@pytest.mark.parametrize("budget,mixed", [(None, False), (5, True)])
+def test_fast_path_model_equals_reference(save_tiny, budget, mixed):
     """The whole network on the fused-kernel path (prefill and paged decode) against the PyTorch path; with a
     budget of 5 tokens a step, also in mixed steps (decodes on the decode kernel, prompt chunks beside them)."""
     from llm_anatomy import Engine
 
     directory, _ = save_tiny(num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2)
     kw = dict(device=DEVICE, dtype=torch.float32, kv_cache_tokens=256, block_size=4, max_num_seqs=4,
-              max_num_batched_tokens=budget)
+              max_num_batched_tokens=budget, mixed_steps=mixed)
     fast = Engine.from_pretrained(directory, fast_path=True, **kw)  # on a GPU, decode replays CUDA graphs
     reference = Engine.from_pretrained(directory, fast_path=False, cuda_graphs=False, **kw)
     prompts = [[5, 9, 2, 7, 1, 3], [8, 8, 1], [4] * 11]

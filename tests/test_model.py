@@ -61,13 +61,13 @@ def test_yarn_long_positions_match_hf(save_tiny):
     assert rel_err(all_logits(engine, ids), ref) < 1e-4
 
 
-@pytest.mark.parametrize("budget", [None, 6])
-def test_paged_decode_equals_full_recompute(save_tiny, budget):
+@pytest.mark.parametrize("budget,mixed", [(None, False), (6, False), (6, True)])
+def test_paged_decode_equals_full_recompute(save_tiny, budget, mixed):
     """Several sequences of different lengths, prefilled together then decoded over small blocks, give the
-    logits of a full recompute at every step. With a budget of 6 tokens a step, the prompts are prefilled in
-    chunks, in steps that also decode the sequences already running (chunked prefill)."""
+    logits of a full recompute at every step. With a budget of 6 tokens a step, the longest prompt is
+    prefilled in chunks; with mixed steps, in steps that also decode the sequences already running."""
     directory, hf = save_tiny(num_attention_heads=8, num_key_value_heads=2)
-    engine = load(directory, block_size=4, max_num_batched_tokens=budget)
+    engine = load(directory, block_size=4, max_num_batched_tokens=budget, mixed_steps=mixed)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 13, 1)]
     seqs = [engine.add_request(p, engine.sampling_params(temperature=0, max_tokens=12, ignore_eos=True))
@@ -103,10 +103,11 @@ def test_paged_decode_equals_full_recompute(save_tiny, budget):
         assert got.shape == expect.shape
         assert rel_err(got, expect) < 1e-4
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
-    if budget:  # chunks happened, and decodes rode along with them
+    if budget:  # chunks happened (a step with a prompt chunk that sampled nothing)
         assert all(sum(lens) <= budget for _, lens, _ in shapes)
-        assert any(d and len(lens) > d for d, lens, _ in shapes)
-        assert any(n < len(lens) for _, lens, n in shapes)  # a step with a prompt chunk that sampled nothing
+        assert any(n < len(lens) for _, lens, n in shapes)
+    # decodes rode along with prompts only with mixed steps
+    assert any(d and len(lens) > d for d, lens, _ in shapes) == mixed
 
 
 @pytest.mark.parametrize("case", ["qwen3-gqa2", "qwen3-tied", "qwen2-bias"])

@@ -255,7 +255,18 @@ def test_64_concurrent_streams_all_complete_and_the_pool_empties(server):
     assert alone.choices[0].message.content == results[5][0]
 
 
-def test_batched_anatomy_names_who_shared_the_steps(server):
+@pytest.fixture(params=[False, True], ids=["prefill-first", "mixed-steps"])
+def batching_server(request, checkpoint, tmp_path):
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=1024,
+                                    block_size=16, mixed_steps=request.param)
+    running = Running(engine, tmp_path)
+    yield running
+    running.stop()
+
+
+def test_batched_anatomy_names_who_shared_the_steps(batching_server):
+    server = batching_server
+    mixed = server.engine.scheduler.mixed_steps
     client = server.client()
     ids = []
 
@@ -283,11 +294,13 @@ def test_batched_anatomy_names_who_shared_the_steps(server):
     for s in longest.decode_steps:
         batch = (batch | set(s.joined)) - set(s.left)
         assert len(batch) + 1 == s.batch_size
-    # the later requests' prompts were prefilled in steps this one decoded in (chunked prefill): it was not
-    # stalled, but those steps were longer
-    mixed = [s for s in longest.decode_steps if s.step_tokens > s.batch_size]
-    assert mixed and not longest.batching.stalls
-    assert all(set(s.joined) <= set(ids) for s in mixed)
+    carried = [s for s in longest.decode_steps if s.step_tokens > s.batch_size]
+    if mixed:  # the later prompts were prefilled in steps this one decoded in: no stalls, longer steps
+        assert carried and not longest.batching.stalls
+        assert all(set(s.joined) <= set(ids) for s in carried)
+    else:  # their prefill steps held this one back, and its anatomy says whose they were
+        assert not carried and longest.batching.stalls
+        assert all(set(st.requests) <= set(ids) and st.gpu_ms >= 0 for st in longest.batching.stalls)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ class Engine:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = None, block_size: int = 16, seed: int | None = None,
                  fast_path: bool | None = None, cuda_graphs: bool = True, lookahead: bool | None = None,
-                 pdl: bool = True):
+                 pdl: bool = True, mixed_steps: bool = False):
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -136,7 +136,7 @@ class Engine:
         enable_fast_path(model, self.fast_path)
         blocks = self._kv_blocks(kv_cache_tokens, gpu_memory_utilization)
         self.pool = KVCachePool(config, blocks, block_size, dtype, device)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, self.max_num_batched_tokens, mixed_steps)
         self.runner = ModelRunner(model, self.pool, device)
         self.pdl = False
         if cuda_graphs and self.fast_path and device.type == "cuda":  # graphs replay the fused-kernel path

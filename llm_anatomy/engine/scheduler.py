@@ -1,13 +1,19 @@
 """Requests in flight and the scheduler that batches them (continuous batching over the paged pool).
 
-Every step forwards, within a token budget, each running sequence's next tokens: one for a sequence that is
-decoding, the next chunk of its prompt for one being prefilled; then new requests are admitted into what
-is left of the budget (a prompt longer than that is prefilled in chunks over several steps). So running
-sequences keep decoding while new prompts are prefilled: their tokens ride along in the prefill's matrix
-products instead of waiting for it (chunked prefill). A step where every sequence forwards just its newest
-token is a pure decode step (the CUDA-graph path). When the pool runs out of blocks, the newest running
-sequence is preempted: its blocks are freed and it is recomputed later from its tokens (prompt + output so
-far), so nothing is lost.
+A step forwards, within a token budget, new prompts or the running sequences' next tokens. A prompt is
+prefilled whole when it fits; one longer than the whole budget is split, in chunks of a multiple of
+CHUNK_ALIGN tokens (each new attention shape costs cuDNN a plan build of its own, so shapes are kept few).
+
+Two policies:
+- prefill first (the default): a step prefills new prompts (and continues chunked ones), or else decodes
+  every running sequence. Running sequences wait during a prefill step (each request's anatomy shows these
+  stalls), but every step has a shape the CUDA graphs cover: a decode of the batch, or a short prompt alone.
+- mixed steps: every step decodes the running sequences and fills the rest of the budget with prompts, so
+  their tokens ride along in the prefill's matrix products instead of waiting. Such steps run without CUDA
+  graphs; on the H200 this trades throughput for time to first token (benchmarks/RESULTS.md).
+
+When the pool runs out of blocks, the newest running sequence is preempted: its blocks are freed and it is
+recomputed later from its tokens (prompt + output so far), so nothing is lost.
 """
 
 from __future__ import annotations
@@ -81,13 +87,24 @@ class ScheduledBatch:
     num_decodes: int  # the first num_decodes sequences each forward their newest token only
 
 
+CHUNK_ALIGN = 256
+
+
 class Scheduler:
-    def __init__(self, pool: KVCachePool, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: KVCachePool, max_num_seqs: int, max_num_batched_tokens: int, mixed_steps: bool = False):
         self.pool = pool
+        self.mixed_steps = mixed_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Chunks are a multiple of this; small enough that what the decodes leave of the budget always holds
+        # one (a budget too small for alignment gets none).
+        self.chunk_align = max(1, min(CHUNK_ALIGN, max_num_batched_tokens - max_num_seqs))
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens of a prompt to forward now: all that remain if they fit, else an aligned chunk (maybe 0)."""
+        return remaining if remaining <= budget else budget // self.chunk_align * self.chunk_align
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -97,13 +114,29 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None when there is nothing to run."""
-        budget = self.max_num_batched_tokens
         seqs, lens = [], []
-        # Running sequences first, decoding ones before prompts being chunked, so that decodes always fit.
-        for seq in sorted(self.running, key=lambda s: not s.decoding):
+        budget = self.max_num_batched_tokens
+        if self.mixed_steps:  # running sequences first, decoding ones before chunked prompts: decodes always fit
+            budget = self._take_running(sorted(self.running, key=lambda s: not s.decoding), budget, seqs, lens)
+        else:  # prefill first: prompts being chunked, then new ones; decode only when there are none
+            budget = self._take_running([s for s in self.running if not s.decoding], budget, seqs, lens)
+        self._admit(budget, seqs, lens)
+        if not seqs and not self.mixed_steps:
+            self._take_running([s for s in self.running if s.decoding], budget, seqs, lens)
+        if not seqs:
+            return None
+        decodes = 0  # the leading run of single-token decodes
+        while decodes < len(seqs) and lens[decodes] == 1 and seqs[decodes].decoding:
+            decodes += 1
+        sampled = [s for s, n in zip(seqs, lens) if s.num_cached + n == s.num_tokens]
+        return ScheduledBatch(seqs, lens, decodes < len(seqs), sampled, decodes)
+
+    def _take_running(self, candidates: list[Sequence], budget: int, seqs: list, lens: list) -> int:
+        """Schedule running sequences' next tokens (preempting the newest when blocks run out); the budget left."""
+        for seq in candidates:
             if seq not in self.running:
                 continue  # preempted below while making room for an earlier one
-            take = min(seq.num_tokens - seq.num_cached, budget)
+            take = self._chunk(seq.num_tokens - seq.num_cached, budget)
             if take <= 0:
                 continue
             while not seq.block_table.ensure(seq.num_cached + take):
@@ -115,25 +148,24 @@ class Scheduler:
                 seqs.append(seq)
                 lens.append(take)
                 budget -= take
-        # Then new requests, into what is left of the budget.
+        return budget
+
+    def _admit(self, budget: int, seqs: list, lens: list) -> None:
+        """New requests into what is left of the budget: whole prompts, or the first chunk of one longer than
+        the whole budget (a shorter one that does not fit waits for the next step)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            take = min(seq.num_tokens - seq.num_cached, budget)
-            if not seq.block_table.ensure(seq.num_cached + take):
-                break  # wait for running sequences to free blocks
+            remaining = seq.num_tokens - seq.num_cached
+            take = remaining if remaining <= budget else (
+                self._chunk(remaining, budget) if remaining > self.max_num_batched_tokens else 0)
+            if take <= 0 or not seq.block_table.ensure(seq.num_cached + take):
+                break  # it waits (for budget, or for running sequences to free blocks)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             lens.append(take)
             budget -= take
-        if not seqs:
-            return None
-        decodes = 0  # the leading run of single-token decodes (sorted first above)
-        while decodes < len(seqs) and lens[decodes] == 1 and seqs[decodes].decoding:
-            decodes += 1
-        sampled = [s for s, n in zip(seqs, lens) if s.num_cached + n == s.num_tokens]
-        return ScheduledBatch(seqs, lens, decodes < len(seqs), sampled, decodes)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

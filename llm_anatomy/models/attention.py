@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -86,13 +87,21 @@ def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torc
             total = prefix + n
             ki = gather_context(k_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
             vi = gather_context(v_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
-            key_pos = torch.arange(total, device=q.device)
-            query_pos = torch.arange(prefix, total, device=q.device)
-            mask = key_pos[None, :] <= query_pos[:, None]
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+            oi = _attend_after_prefix(qi, ki, vi, prefix)
         out[start:start + n] = oi.squeeze(0).transpose(0, 1)
         start += n
     return out
+
+
+def _attend_after_prefix(q, k, v, prefix: int) -> torch.Tensor:
+    """Queries at positions prefix.. over keys 0..: causal aligned to the bottom right. As a CausalBias the
+    fused kernels take it without a mask tensor; an explicit mask where a backend refuses that."""
+    n, total = q.shape[2], k.shape[2]
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, total), enable_gqa=True)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        mask = torch.arange(total, device=q.device)[None, :] <= torch.arange(prefix, total, device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens) -> torch.Tensor:
