@@ -13,6 +13,7 @@ import math
 
 from llm_anatomy.anatomy import (
     Anatomy,
+    BatchingRecord,
     Bound,
     Ceilings,
     DecodeStep,
@@ -28,6 +29,7 @@ from llm_anatomy.anatomy import (
     Phase,
     PrefillRecord,
     Roofline,
+    Stall,
     Telemetry,
     WeightsRecord,
 )
@@ -318,6 +320,10 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
         host_ms=({"schedule": 1.1, "prepare_and_launch": 2.8, "detokenize": 0.31, "all_step_work": 4.2} if not cpu else
                  {"schedule": 0.9, "prepare_and_launch": 5.2, "detokenize": 0.52, "all_step_work": 6.6}),
         kernels=kernels,
+        batching=None if cpu else BatchingRecord(
+            queue_ms=0.7, max_batch_size=3, mean_batch_size=2.4, preemptions=0,
+            co_scheduled={"req-b": steps, "req-<c>": steps // 2},
+            stalls=[Stall(start_ms=ttft + 20.0, gpu_ms=13.5, requests=["req-<c>"], tokens=512)], stall_ms=13.5),
         notes=notes,
         id="call-0001" if not cpu else "call-cpu-0001",
         started_at_unix=1748779200.0,  # 2025-06-01 12:00:00 UTC

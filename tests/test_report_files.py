@@ -115,6 +115,27 @@ def test_headline_and_sections():
     assert f"{a.memory.total:,}" in page  # the census total
 
 
+def test_batching_section_says_who_shared_and_stalled_the_call():
+    page = _without_plotly(render_html(sample_anatomy()))
+    assert "<h2>Batching</h2>" in page and "req-&lt;c&gt;" in page and "req-<c>" not in page
+    assert "13.500" in page  # the stall's GPU ms
+    assert "<h2>Batching</h2>" not in _without_plotly(render_html(sample_cpu_anatomy()))  # no record, no section
+
+
+def test_terminal_report_has_every_part():
+    from rich.console import Console
+
+    from llm_anatomy.report.terminal import render
+
+    console = Console(record=True, width=200)
+    render(sample_anatomy(), console)
+    text = console.export_text()
+    for part in ("Timeline", "Latency", "Prefill", "Decode", "Batching", "stalled 13.5 ms by 1 prefill step",
+                 "KV cache", "Memory census", "GPU", "Kernels"):
+        assert part in text, part
+    render(sample_cpu_anatomy(), console)
+
+
 def test_long_step_table_is_cut():
     page = render_html(sample_anatomy(steps=100))
     assert "60 steps left out" in page

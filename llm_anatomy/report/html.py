@@ -437,6 +437,19 @@ def _step_rows(a: Anatomy) -> tuple[list[dict], list[dict], int]:
             len(steps) - 2 * STEP_ROWS)
 
 
+def _batching(a: Anatomy) -> dict | None:
+    b = getattr(a, "batching", None)
+    if b is None:
+        return None
+    co = sorted(b.co_scheduled.items(), key=lambda kv: -kv[1])
+    return dict(queue=_ms(b.queue_ms), max=_int(b.max_batch_size), mean=_num(b.mean_batch_size),
+                shared=_int(len(co)), stall_count=_int(len(b.stalls)), stall_ms=_ms(b.stall_ms),
+                preemptions=_int(b.preemptions), co=[dict(id=k, steps=_int(v)) for k, v in co[:12]],
+                stalls=[dict(start=_fixed(st.start_ms), gpu=_fixed(st.gpu_ms), tokens=_int(st.tokens),
+                             requests=", ".join(st.requests[:6]) + (" ..." if len(st.requests) > 6 else ""))
+                        for st in b.stalls[:20]])
+
+
 def _context(a: Anatomy) -> dict:
     figures: dict[str, go.Figure] = {}
 
@@ -487,7 +500,7 @@ def _context(a: Anatomy) -> dict:
                      gflop=_scaled(a.prefill.flops, 1e9), gb=_scaled(a.prefill.bytes, 1e9),
                      ai=_num(a.prefill.roofline.arithmetic_intensity), mfu=_pct(a.prefill.mfu),
                      mbu=_pct(a.prefill.mbu), bound=a.prefill.roofline.bound),
-        decode=a.decode,
+        decode=a.decode, batching=_batching(a),
         decode_fmt=(dict(gpu=_ms(a.decode.gpu_ms_median), host=_ms(a.decode.host_ms_median),
                          itl=_ms(a.decode.itl_ms_median), itl90=_ms(a.decode.itl_ms_p90),
                          tps=_num(a.decode.tokens_per_s), bytes=_bytes(a.decode.bytes_per_step_median),
@@ -664,6 +677,32 @@ _TEMPLATE = r"""{% macro step_row(r) %}
   </table>
   {% endif %}
 </section>
+
+{% if batching %}
+<section>
+  <h2>Batching</h2>
+  <p class="why">How this request shared the engine: continuous batching runs several requests in one step; a prefill step for others holds the running ones back.</p>
+  <table class="facts">
+    <tr><td>queued before its first step</td><td>{{ batching.queue }}</td></tr>
+    <tr><td>batch size over its steps</td><td>max {{ batching.max }}, mean {{ batching.mean }}</td></tr>
+    <tr><td>requests it shared steps with</td><td>{{ batching.shared }}</td></tr>
+    <tr><td>stalled by others' prefill steps</td><td>{{ batching.stall_count }} steps, {{ batching.stall_ms }} of device time</td></tr>
+    <tr><td>preemptions (KV blocks taken back, recomputed)</td><td>{{ batching.preemptions }}</td></tr>
+  </table>
+  {% if batching.co %}
+  <h3>Shared steps</h3>
+  <table><tr><th class="l">request</th><th>steps shared</th></tr>
+  {% for r in batching.co %}<tr><td class="l">{{ r.id }}</td><td>{{ r.steps }}</td></tr>{% endfor %}
+  </table>
+  {% endif %}
+  {% if batching.stalls %}
+  <h3>Stalls</h3>
+  <table><tr><th>start ms</th><th>GPU ms</th><th>tokens</th><th class="l">requests prefilled</th></tr>
+  {% for r in batching.stalls %}<tr><td>{{ r.start }}</td><td>{{ r.gpu }}</td><td>{{ r.tokens }}</td><td class="l">{{ r.requests }}</td></tr>{% endfor %}
+  </table>
+  {% endif %}
+</section>
+{% endif %}
 
 <section>
   <h2>KV cache</h2>

@@ -89,6 +89,14 @@ def render(a: Anatomy, console: Console | None = None) -> None:
         c.print(f"         [bold]{line.bound.kind}-bound[/bold]: {line.bound.why}; the KV cache is "
                 f"{pct(dc.kv_share_of_bytes)} of the bytes a median step moves")
 
+    b = a.batching
+    if b is not None:
+        stalls = (f"stalled {b.stall_ms:.1f} ms by {len(b.stalls)} prefill step(s) of other requests"
+                  if b.stalls else "never stalled by other requests")
+        c.print(f"[bold]Batching[/bold] queued {b.queue_ms:.3f} ms · batch max {b.max_batch_size}, mean "
+                f"{b.mean_batch_size:.1f} · shared steps with {len(b.co_scheduled)} other request(s) · {stalls} · "
+                f"{b.preemptions} preemption(s)")
+
     kv = a.kv_cache
     c.print()
     c.print(f"[bold]KV cache[/bold] {kv.formula}")
