@@ -147,3 +147,25 @@ def test_preemption_recomputes_and_loses_nothing(save_tiny):
     results = tight.generate_many(prompts, temperature=0, max_tokens=30, ignore_eos=True)
     assert [r.output_token_ids for r in results] == [r.output_token_ids for r in roomy]
     assert tight.pool.num_free_blocks == tight.pool.num_blocks
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_logprobs_are_the_models(save_tiny, lookahead):
+    """Each sampled token's log-probability and the top ones are HF's log-softmax at that position (the raw
+    model distribution, whatever the sampling temperature), with and without lookahead."""
+    directory, hf = save_tiny(initializer_range=0.2)
+    engine = load(directory, lookahead=lookahead)
+    ids = [5, 17, 3, 99, 42]
+    out = engine.generate(prompt_token_ids=ids, temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=3)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids + out.output_token_ids])).logits[0, len(ids) - 1:-1].float().log_softmax(-1)
+    assert len(out.logprobs) == 10
+    for row, token, (chosen, top) in zip(ref, out.output_token_ids, out.logprobs):
+        assert chosen == pytest.approx(row[token].item(), abs=1e-4)
+        values, best = row.topk(3)
+        assert [t for t, _ in top] == best.tolist()
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+    plain = engine.generate(prompt_token_ids=ids, temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)
+    assert plain.logprobs is None and plain.output_token_ids == out.output_token_ids
+    only = engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+    assert all(top == [] for _, top in only.logprobs)

@@ -191,6 +191,31 @@ def test_stop_strings_are_never_streamed(server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
 
 
+def test_logprobs_chat_and_completions(server):
+    r = chat(server, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, extra_body=NO_EOS)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == tops[0]  # greedy: the best one
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    stream = server.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
+                                                     logprobs=True, top_logprobs=3, stream=True, extra_body=NO_EOS)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    assert chat(server, max_tokens=2, extra_body=NO_EOS).choices[0].logprobs is None  # not asked, not sent
+
+    c = server.client().completions.create(model=MODEL, prompt="The KV cache", max_tokens=5, temperature=0,
+                                           logprobs=2, extra_body=NO_EOS)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 2, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
 def test_seeded_sampling_repeats(server):
     a, b = (chat(server, max_tokens=8, temperature=0.9, top_p=0.95, seed=7,
                  extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True}).choices[0].message.content for _ in range(2))
@@ -322,7 +347,8 @@ BAD = [
     ("max_tokens < 1", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
     ("presence_penalty > 2", {**GOOD, "presence_penalty": 3}, 400, "presence_penalty"),
     ("n > 1", {**GOOD, "n": 2}, 400, "n"),
-    ("logprobs", {**GOOD, "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs > 20", {**GOOD, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("json mode", {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("forced tool choice", {**GOOD, "tool_choice": "required"}, 400, "tool_choice"),
     ("stream_options without stream", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options"),

@@ -22,7 +22,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .events import Observer, Step
 from .kv_cache import BlockTable, KVCachePool
 from .runner import ModelRunner
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, logprobs_of
 from .scheduler import ScheduledBatch, Scheduler, Sequence
 
 log = logging.getLogger("llm_anatomy")
@@ -61,6 +61,7 @@ class GenerationResult:
     text: str
     finish_reason: str
     prompt_text: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per output token, when asked for
 
 
 @dataclass
@@ -72,6 +73,7 @@ class _Pending:
     tokens: torch.Tensor | None = None  # on the device, one per batch.sampled
     host_tokens: torch.Tensor | None = None  # their copy in pinned host memory (CUDA), in flight
     copied: torch.cuda.Event | None = None  # recorded after that copy
+    logprobs: tuple | None = None  # (chosen, top ids, top values) per sampled row, on the host once copied
 
     def read_tokens(self) -> list[int]:
         """Wait for this step's tokens only (not for a later step queued behind them) and return them."""
@@ -297,6 +299,8 @@ class Engine:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.uses_penalties:
             seq.output_counts = torch.zeros(self.config.vocab_size, dtype=torch.int32, device=self.device)
+        if params.logprobs is not None:
+            seq.logprobs = []
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.scheduler.add(seq)
         for o in self.observers:
@@ -363,6 +367,11 @@ class Engine:
         if sampled:
             pending.tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled],
                                           [s.output_counts for s in sampled])
+        top = max((s.params.logprobs for s in sampled if s.params.logprobs is not None), default=None)
+        if top is not None:  # only when a request asked: log-softmax and top-k over the vocabulary
+            parts = logprobs_of(logits, pending.tokens, top)
+            pending.logprobs = tuple(t.to("cpu", non_blocking=True) if t is not None and t.is_cuda else t
+                                     for t in parts)
         if sampled and self.device.type == "cuda":  # queue the copy now, ahead of any step launched after this one
             self._host_flip ^= 1
             pending.host_tokens = self._host_tokens[self._host_flip, :len(sampled)]
@@ -391,6 +400,13 @@ class Engine:
         """Read the step's tokens back (the one sync per step) and append them."""
         step, batch = p.step, p.batch
         tokens = dict(zip(map(id, batch.sampled), p.read_tokens())) if batch.sampled else {}
+        logprobs = {}
+        if p.logprobs is not None:  # copied before the event read_tokens waited for
+            chosen, ids, values = (t.tolist() if t is not None else None for t in p.logprobs)
+            for row, seq in enumerate(batch.sampled):
+                k = seq.params.logprobs
+                if k is not None:
+                    logprobs[id(seq)] = (chosen[row], list(zip(ids[row][:k], values[row][:k])) if ids else [])
         if step is not None:
             step.t_sampled_ns = time.perf_counter_ns()
             step.tokens = [tokens.get(id(s)) for s in batch.seqs]
@@ -402,6 +418,8 @@ class Engine:
             if token is None:  # a chunk of a prompt: no token yet
                 continue
             t = time.perf_counter_ns() if step is not None else 0
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[id(seq)])
             self._append_token(seq, token)
             if step is not None:
                 step.detokenize_ns += time.perf_counter_ns() - t
@@ -442,7 +460,8 @@ class Engine:
 
     def result(self, seq: Sequence, prompt_text: str | None = None) -> GenerationResult:
         return GenerationResult(seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.text,
-                                seq.finish_reason or "running", prompt_text)
+                                seq.finish_reason or "running", prompt_text,
+                                list(seq.logprobs) if seq.logprobs is not None else None)
 
     def generate(self, prompt_token_ids=None, prompt: str | None = None, messages=None, *,
                  enable_thinking: bool = True, tools=None, **sampling) -> GenerationResult:

@@ -15,6 +15,9 @@ import torch
 from ..errors import RequestError
 
 
+MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -29,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, besides the model's EOS ids
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # return each sampled token's log-probability and this many top alternatives
     extra: dict = field(default_factory=dict, compare=False)  # not used by sampling; kept for records
 
     def __post_init__(self):
@@ -60,6 +64,9 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (top alternatives per token), got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -189,3 +196,16 @@ class Sampler:
             counts = torch.zeros(vocab, dtype=torch.int32, device=self.device)
             self(logits, [a, b], gens, [counts, None])
         self._cache.clear()
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                                 torch.Tensor | None]:
+    """Log-probabilities of the sampled tokens under the model's own distribution (the raw logits: before
+    temperature, penalties and truncation, as vLLM reports them), and the `top` most likely tokens' ids and
+    log-probabilities. All on the device: no sync."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    if not top:
+        return chosen, None, None
+    values, ids = logp.topk(top, dim=-1)
+    return chosen, ids, values

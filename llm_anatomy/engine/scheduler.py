@@ -50,6 +50,8 @@ class Sequence:
     output_counts: torch.Tensor | None = None  # [vocab] token counts, on the device, when penalties are used
     num_preemptions: int = 0
     detokenizer: "IncrementalDetokenizer | None" = None
+    # when params.logprobs is set: per output token, (its log-probability, [(id, log-probability)] of the top ones)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..anatomy import Anatomy
 from .loop import Call, EngineLoop, Progress
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_request, chunk, completion_body,
-                       completion_request, now_s, parse_body, split_tool_calls, usage)
+                       completion_request, logprobs_body, now_s, parse_body, split_tool_calls, usage)
 
 log = logging.getLogger("llm_anatomy.server")
 TOOL_CALL_START = "<tool_call>"
@@ -132,8 +132,12 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
         if isinstance(progress, APIError):
             return error_response(progress, headers)
         text = (call.prompt_text or "") + progress.text if req.echo else progress.text
+        logprobs = None
+        if progress.logprobs is not None:
+            logprobs = logprobs_body(req, engine.tokenizer.token_bytes, progress.token_ids[:progress.tokens],
+                                     progress.logprobs[:progress.tokens])
         out = completion_body(req, call.id, now_s(), text, progress.finish_reason,
-                              len(call.prompt_token_ids), progress.tokens)
+                              len(call.prompt_token_ids), progress.tokens, logprobs)
         if req.want_anatomy:
             out["anatomy"] = await anatomy_of(call)
         return JSONResponse(out, headers=headers)
@@ -163,7 +167,18 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
 
     async def stream(call: Call):
         req = call.request
-        created, sent = now_s(), 0
+        created, sent, lp_sent = now_s(), 0, 0
+        want_logprobs = call.params.logprobs is not None
+
+        def new_logprobs(event: Progress) -> dict | None:
+            """Logprobs of the tokens since the last chunk that carried some."""
+            nonlocal lp_sent
+            if not want_logprobs or event.tokens <= lp_sent:
+                return None
+            body = logprobs_body(req, engine.tokenizer.token_bytes, event.token_ids[lp_sent:event.tokens],
+                                 event.logprobs[lp_sent:event.tokens], offset=sent)
+            lp_sent = event.tokens
+            return body
         longest_stop = max((len(s) for s in call.params.stop), default=0)
 
         def sse(obj: dict) -> str:
@@ -203,7 +218,10 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
                     if req.parse_tool_calls:
                         upto = min(upto, _before_tool_call(text))
                     if upto > sent:
-                        yield head + json.dumps(text[sent:upto], ensure_ascii=False) + tail
+                        if want_logprobs:
+                            yield sse(chunk(req, call.id, created, text=text[sent:upto], logprobs=new_logprobs(event)))
+                        else:
+                            yield head + json.dumps(text[sent:upto], ensure_ascii=False) + tail
                         sent = upto
                     continue
                 rest, calls, reason = text[sent:], [], event.finish_reason
@@ -211,8 +229,9 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
                     content, calls = split_tool_calls(rest, call.id, None if req.parallel_tool_calls else 1)
                     rest = content or ""
                     reason = "tool_calls" if calls else reason
-                if rest or calls:
-                    yield sse(chunk(req, call.id, created, text=rest, tool_calls=calls))
+                rest_logprobs = new_logprobs(event)
+                if rest or calls or rest_logprobs:
+                    yield sse(chunk(req, call.id, created, text=rest, tool_calls=calls, logprobs=rest_logprobs))
                 last = chunk(req, call.id, created, finish_reason=reason)
                 final_usage = usage(len(call.prompt_token_ids), event.tokens)
                 if req.include_usage:

@@ -38,8 +38,10 @@ log = logging.getLogger("llm_anatomy.server")
 @dataclass
 class Progress:
     text: str  # the call's whole output text so far
-    tokens: int
+    tokens: int  # output tokens so far
     finish_reason: str | None = None  # set on the last one
+    token_ids: list[int] | None = None  # the sequence's own lists (read only up to `tokens`)
+    logprobs: list | None = None
 
 
 @dataclass
@@ -237,7 +239,8 @@ class EngineLoop:
             if seq.finished:
                 call.done = True
             if seq.finished or call.request.stream:  # a whole-answer call needs only its end
-                events.append((call, Progress(seq.text, len(seq.output_token_ids), seq.finish_reason)))
+                events.append((call, Progress(seq.text, len(seq.output_token_ids), seq.finish_reason,
+                                              seq.output_token_ids, seq.logprobs)))
         post_all(events)
 
     def _hand_over_finished(self) -> None:
@@ -248,7 +251,9 @@ class EngineLoop:
             call.marks.end = trace.finished_ns
             if not call.done:  # aborted
                 call.done = True
-                call.post(Progress(call.seq.text, len(call.seq.output_token_ids), call.seq.finish_reason))
+                seq = call.seq
+                call.post(Progress(seq.text, len(seq.output_token_ids), seq.finish_reason, seq.output_token_ids,
+                                   seq.logprobs))
             self.store.expect(call.id)
             self._builds.put((call, trace, self.engine.result(call.seq, call.prompt_text)))
 

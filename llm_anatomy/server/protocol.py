@@ -176,8 +176,12 @@ def _common(body: _Sampling) -> dict:
 
 def chat_request(body: ChatCompletionRequest) -> Request:
     sampling = _common(body)
-    if body.logprobs or body.top_logprobs:
-        _refuse("logprobs", "is not supported by this server")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if not 0 <= body.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in 0..20, got {body.top_logprobs}", param="top_logprobs")
+    sampling["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
     for name in ("audio", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort",
                  "service_tier", "metadata"):
         if getattr(body, name) is not None:
@@ -223,7 +227,11 @@ def completion_request(body: CompletionRequest) -> Request:
     if body.best_of not in (None, 1):
         _refuse("best_of", "must be 1: one choice per request")
     if body.logprobs is not None:
-        _refuse("logprobs", "is not supported by this server")
+        if not 0 <= body.logprobs <= 5:
+            raise APIError(400, f"logprobs must be in 0..5 for completions, got {body.logprobs}", param="logprobs")
+        if body.echo:
+            _refuse("logprobs", "with echo is not supported (the prompt's own logprobs are not computed)")
+    sampling["logprobs"] = body.logprobs
     if body.suffix is not None:
         _refuse("suffix", "is not supported (Qwen3 has no fill-in-the-middle mode)")
     prompt, ids = body.prompt, None
@@ -272,6 +280,37 @@ def split_tool_calls(text: str, request_id: str, most: int | None = None) -> tup
     return (content or None) if calls else content, calls
 
 
+# ---- logprobs ----------------------------------------------------------------------------------------------------
+def _entry(token_bytes, token: int, logprob: float) -> dict:
+    raw = token_bytes(token)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(token_bytes, tokens: list[int], entries: list) -> dict:
+    """The chat API's logprobs object for these output tokens and their (logprob, top) entries."""
+    return {"content": [{**_entry(token_bytes, t, lp), "top_logprobs": [_entry(token_bytes, i, v) for i, v in top]}
+                        for t, (lp, top) in zip(tokens, entries)], "refusal": None}
+
+
+def completion_logprobs(token_bytes, tokens: list[int], entries: list, offset: int = 0) -> dict:
+    """The legacy completions API's logprobs object; `offset` is where these tokens' text starts."""
+    texts = [token_bytes(t).decode("utf-8", errors="replace") for t in tokens]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [{token_bytes(i).decode("utf-8", errors="replace"): v for i, v in top}
+                             for _, top in entries],
+            "text_offset": offsets}
+
+
+def logprobs_body(req: "Request", token_bytes, tokens: list[int], entries: list, offset: int = 0) -> dict:
+    if req.chat:
+        return chat_logprobs(token_bytes, tokens, entries)
+    return completion_logprobs(token_bytes, tokens, entries, offset)
+
+
 # ---- responses ----------------------------------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -283,7 +322,7 @@ def response_id(req: Request, request_id: str) -> str:
 
 
 def completion_body(req: Request, request_id: str, created: int, text: str, finish_reason: str,
-                    prompt_tokens: int, completion_tokens: int) -> dict:
+                    prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
     if req.chat:
         content, calls = split_tool_calls(text, request_id, None if req.parallel_tool_calls else 1) \
             if req.parse_tool_calls else (text, [])
@@ -291,9 +330,9 @@ def completion_body(req: Request, request_id: str, created: int, text: str, fini
         if calls:
             message["tool_calls"] = calls
             finish_reason = "tool_calls"
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": response_id(req, request_id), "object": "chat.completion" if req.chat else "text_completion",
             "created": created, "model": req.model, "choices": [choice], "system_fingerprint": None,
             "usage": usage(prompt_tokens, completion_tokens)}
@@ -301,7 +340,7 @@ def completion_body(req: Request, request_id: str, created: int, text: str, fini
 
 def chunk(req: Request, request_id: str, created: int, *, text: str | None = None, role: bool = False,
           tool_calls: list[dict] | None = None, finish_reason: str | None = None, usage_: dict | None = None,
-          no_choices: bool = False) -> dict:
+          no_choices: bool = False, logprobs: dict | None = None) -> dict:
     """One SSE chunk as OpenAI sends it."""
     body = {"id": response_id(req, request_id), "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": created, "model": req.model, "system_fingerprint": None}
@@ -316,9 +355,9 @@ def chunk(req: Request, request_id: str, created: int, *, text: str | None = Non
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        body["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
-        body["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+        body["choices"] = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
     if usage_ is not None or (req.include_usage and not no_choices):
         body["usage"] = usage_  # null on every chunk but the last when include_usage is on
     return body
