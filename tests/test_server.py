@@ -434,6 +434,32 @@ def test_a_client_that_disconnects_while_waiting_for_a_whole_answer(server):
     assert metric(server, 'request_success_total{finished_reason="abort",model_name="tiny-qwen3"}') == before + 1
 
 
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(checkpoint, tmp_path):
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256)
+    running = Running(engine, tmp_path)
+    run = engine.runner.run
+    try:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected fault")
+
+        engine.runner.run = broken
+        r = httpx.post(f"{running.url}/v1/chat/completions", json={**GOOD, "ignore_eos": True})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "injected fault" in r.json()["error"]["message"]
+        body = {**GOOD, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{running.url}/v1/chat/completions", json=body) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert "injected fault" in lines[-2] and lines[-1] == "data: [DONE]"
+        running.wait_idle()
+        engine.runner.run = run
+        assert httpx.get(f"{running.url}/health").json() == {"status": "ok"}
+        assert running.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
+                                                        extra_body=NO_EOS).usage.completion_tokens == 3
+    finally:
+        engine.runner.run = run
+        running.stop()
+
+
 def test_store_keeps_the_newest_and_survives_a_torn_line(tmp_path):
     from sample_anatomy import sample_anatomy
 
