@@ -90,7 +90,9 @@ def render(a: Anatomy, console: Console | None = None) -> None:
                 f"{pct(dc.kv_share_of_bytes)} of the bytes a median step moves")
 
     b = a.batching
-    if b is not None:
+    if b is not None and b.max_batch_size == 1 and not b.stalls and not b.preemptions:
+        c.print(f"[bold]Batching[/bold] alone on the engine (a batch of 1 at every step); queued {b.queue_ms:.3f} ms")
+    elif b is not None:
         stalls = (f"stalled {b.stall_ms:.1f} ms by {len(b.stalls)} prefill step(s) of other requests"
                   if b.stalls else "never stalled by other requests")
         c.print(f"[bold]Batching[/bold] queued {b.queue_ms:.3f} ms · batch max {b.max_batch_size}, mean "
