@@ -118,6 +118,9 @@ def test_chat_with_the_anatomy_extension(server):
     assert full.id == anatomy_id and full.text == r.choices[0].message.content
     assert full.request["endpoint"] == "/v1/chat/completions" and full.request["messages"][0]["content"] == "Hello there"
     assert full.batching is not None and full.batching.max_batch_size >= 1
+    listed = httpx.get(f"{server.url}/v1/anatomy", params={"limit": 5}).json()["data"]
+    assert listed[0]["id"] == anatomy_id and len(listed) <= 5
+    assert httpx.get(f"{server.url}/v1/anatomy", params={"limit": 0}).status_code == 400
     html = httpx.get(f"{server.url}/anatomy/{anatomy_id}")
     assert html.status_code == 200 and "Content-Security-Policy" in html.text and anatomy_id in html.text
 

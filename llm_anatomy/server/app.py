@@ -277,6 +277,22 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
                            param="id", code="not_found")
         return text
 
+    @app.get("/v1/anatomy")
+    async def anatomy_list(limit: int = 20):
+        """The newest anatomies, newest first, each as its summary."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be in 1..100, got {limit}", param="limit")
+
+        def newest() -> list[dict]:
+            out = []
+            for anatomy_id in reversed(loop.store.ids()[-limit:]):
+                text = loop.store.get(anatomy_id, wait_s=0)
+                if text is not None:
+                    out.append(Anatomy.from_json(text).summary())
+            return out
+
+        return {"object": "list", "data": await asyncio.to_thread(newest)}
+
     @app.get("/v1/anatomy/{anatomy_id}")
     async def anatomy_json(anatomy_id: str):
         return Response(await stored(anatomy_id), media_type="application/json")
