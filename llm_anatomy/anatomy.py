@@ -298,6 +298,16 @@ class Anatomy:
     def to_dict(self) -> dict:
         return _plain(self)
 
+    def others_at(self, step: int) -> list[str]:
+        """The other requests in decode step `step` (1-based, as DecodeStep.index; 0 is the prefill's last
+        step), rebuilt from the prefill's list and each step's joined and left."""
+        if not 0 <= step <= len(self.decode_steps):
+            raise IndexError(f"step {step} is not in 0..{len(self.decode_steps)}")
+        batch = set(self.prefill.others)
+        for s in self.decode_steps[:step]:
+            batch = (batch | set(s.joined)) - set(s.left)
+        return sorted(batch)
+
     def summary(self) -> dict:
         """The headline numbers, small enough to ride along with an API response (the server's `anatomy`
         field); the full record is at `url`."""

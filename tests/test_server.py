@@ -318,10 +318,9 @@ def test_batched_anatomy_names_who_shared_the_steps(batching_server):
     shared = [s for s in longest.decode_steps if s.batch_size > 1]
     assert shared and all(set(s.joined + s.left) <= set(ids) for s in shared)
     # the batch at each step, rebuilt from the prefill's and the changes, matches its size
-    batch = set(longest.prefill.others)
     for s in longest.decode_steps:
-        batch = (batch | set(s.joined)) - set(s.left)
-        assert len(batch) + 1 == s.batch_size
+        others = longest.others_at(s.index)
+        assert len(others) + 1 == s.batch_size and set(others) <= set(ids)
     carried = [s for s in longest.decode_steps if s.step_tokens > s.batch_size]
     if mixed:  # the later prompts were prefilled in steps this one decoded in: no stalls, longer steps
         assert carried and not longest.batching.stalls
