@@ -67,7 +67,7 @@ class PrefillRecord:
     roofline: Roofline
     cost_breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
     batch_size: int = 1  # sequences in the same step (flops, bytes and times are the whole step's)
-    others: list[str] = field(default_factory=list)  # the other requests in that step
+    others: list[str] = field(default_factory=list)  # the other requests in that step (the last, if chunked)
     steps: int = 1  # >1: the prompt was prefilled in chunks over several steps (then summed over them)
 
 

@@ -285,7 +285,7 @@ def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings)
     device_ms = sum(rec.device_ms(x) for x in records)
     wall_ms = (r.step.t_sampled_ns - records[0].step.t_start_ns) / 1e6
     line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
-    others = sorted(set().union(*(x.others() for x in records)))
+    others = sorted(r.others())  # of the step that completed it: the decode steps' changes start from these
     return PrefillRecord(sum(x.step.num_tokens for x in records), device_ms,
                          sum(x.step.host_work_ns for x in records) / 1e6, rec.clock.ms(records[0].step.t_start_ns),
                          cost.flops, cost.bytes, line.mfu, line.mbu, line, parts,
