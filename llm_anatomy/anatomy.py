@@ -312,7 +312,8 @@ class Anatomy:
         """The headline numbers, small enough to ride along with an API response (the server's `anatomy`
         field); the full record is at `url`."""
         d, b = self.decode, self.batching
-        call_energy = next((e for e in self.telemetry.energy if e.phase == "call"), None)
+        energy = {e.phase: e for e in self.telemetry.energy}
+        call_energy = energy.get("call_attributed") or energy.get("call")  # its share, when batched
         return {
             "id": self.id, "url": f"/v1/anatomy/{self.id}", "html": f"/anatomy/{self.id}",
             "weights": self.weights.kind, "notes": self.notes,

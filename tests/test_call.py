@@ -1,6 +1,7 @@
 """`llm-anatomy call` and the Anatomy it produces, on tiny checkpoints on the CPU."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -184,3 +185,40 @@ def test_a_prompt_prefilled_in_chunks(tiny):
     whole = Engine.from_pretrained(tiny, device="cpu", dtype=torch.float32, kv_cache_tokens=256, block_size=4)
     assert whole.generate(prompt_token_ids=list(range(100, 130)), max_tokens=5, temperature=0,
                           ignore_eos=True).output_token_ids == result.output_token_ids
+
+
+def test_a_batched_request_gets_its_share_of_the_energy(tiny):
+    """Two requests decoding together: each anatomy keeps the device's energy over its span and adds its own
+    share, weighted by its tokens' fraction of each step."""
+    from llm_anatomy.probe.call import Marks, TelemetryWindow, build_anatomy
+    from llm_anatomy.probe.clock import Clock
+    from llm_anatomy.probe.recorder import Recorder
+    from llm_anatomy.probe.telemetry import RawSample
+
+    engine = Engine.from_pretrained(tiny, device="cpu", dtype=torch.float32, kv_cache_tokens=256, block_size=4)
+    ceilings = Ceilings("cpu", read_gbps=20.0, gemv_gbps=15.0, matmul_tflops=0.5, datasheet_gbps=None,
+                        datasheet_tflops=None, measured_at="2026-11-29")
+    recorder = Recorder(Clock(engine.device))
+    engine.observers.append(recorder)
+    params = engine.sampling_params(max_tokens=8, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter_ns()
+    seqs = []
+    for rid in ("a", "b"):
+        recorder.watch(rid, t0)
+        seqs.append(engine.add_request([100, 101, 102], params, request_id=rid))
+    while engine.has_work():
+        engine.step()
+    traces = {t.request_id: t for t in recorder.take_finished()}
+    end = max(t.finished_ns for t in traces.values())
+    # a counter that rises 100 mJ per 10 ms (10 W), updated every 10 ms, from well before to well after
+    samples = [RawSample(t, None, (t - t0 + 10**9) // 100_000, None, None, None, None, None, None, None)
+               for t in range(t0 - 300_000_000, end + 300_000_000, 10_000_000)]
+    for seq in seqs:
+        trace = traces[seq.request_id]
+        a = build_anatomy(engine, {}, engine.result(seq), trace, ceilings, TelemetryWindow(samples, True, "", 100.0),
+                          "", Marks(t0, t0, t0, t0, trace.finished_ns))
+        energy = {e.phase: e for e in a.telemetry.energy}
+        assert a.batching.max_batch_size == 2 and energy["call"].per_token_j is None
+        share = energy["call_attributed"]
+        assert 0 < share.joules < energy["call"].joules and share.per_token_j == pytest.approx(share.joules / 8)
+        assert a.summary()["energy_j"] == share.joules

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import __version__
-from ..anatomy import Anatomy, DeviceRecord, ModelRecord, Phase, WeightsRecord
+from ..anatomy import Anatomy, DeviceRecord, EnergyRecord, ModelRecord, Phase, WeightsRecord
 from ..engine.engine import Engine, GenerationResult
 from ..anatomy import Ceilings
 from .ceilings import device_name
@@ -136,6 +136,23 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
                                  activation_peak)
 
 
+def attributed_energy(rec: RequestTrace, energy: list[EnergyRecord], e2e_ms: float, tokens: int
+                      ) -> EnergyRecord | None:
+    """This request's share of the device's energy when it was batched: the call's mean power times the device
+    time of its steps, each weighted by its tokens' fraction of the step (a decode step of 8 gives it 1/8)."""
+    call = next((e for e in energy if e.phase == "call"), None)
+    if call is None or e2e_ms <= 0:
+        return None
+    share_ms = sum(rec.device_ms(r) * r.step.query_lens[r.position] / r.step.num_tokens
+                   for r in rec.chunks + rec.steps)
+    fraction = share_ms / e2e_ms
+    joules = call.joules * fraction
+    return EnergyRecord("call_attributed", joules, call.uncertainty_j * fraction, joules / tokens if tokens else None,
+                        f"this request's share: the call's energy x (its share of the device time, {share_ms:.1f} ms "
+                        f"of its {e2e_ms:.1f} ms, each step weighted by its tokens' fraction of the step); an "
+                        f"estimate that splits each step's energy in proportion to tokens")
+
+
 def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: RequestTrace, ceilings: Ceilings,
                   window: TelemetryWindow, device_why: str, marks: Marks, activation_peak: int | None = None,
                   notes: list[str] | None = None) -> Anatomy:
@@ -178,6 +195,9 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
         for record in tele.energy:
             record.per_token_j = None
             record.method += "; the whole device over this request's span, shared with the requests batched with it"
+        share = attributed_energy(rec, tele.energy, e2e, n_out)
+        if share is not None:
+            tele.energy.append(share)
     kv = kv_record(engine, rec, rec.seq)
     memory = census(engine.device, engine.weights.bytes, engine.pool.total_bytes, engine.runner.graph_bytes,
                     activation_peak)

@@ -80,8 +80,9 @@ class Metrics:
                                m + ["finished_reason"], registry=r)
         self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted (KV blocks taken back).", m,
                                    registry=r)
-        self.energy = Counter(PREFIX + "request_energy_joules", "Device energy over requests' spans (overlapping "
-                              "requests each count the shared time).", m, registry=r)
+        self.energy = Counter(PREFIX + "request_energy_joules", "Requests' energy: each batched request's share "
+                              "of the device's (by its tokens' fraction of each step), else the device's over its "
+                              "span.", m, registry=r)
         self.anatomy_build = Histogram(PREFIX + "anatomy_build_seconds", "Time to build a finished call's anatomy "
                                        "(off the engine thread; includes waiting for the energy counter's next "
                                        "update).", m, buckets=TPOT_BUCKETS, registry=r)
@@ -104,7 +105,8 @@ class Metrics:
             self.queue.labels(m).observe(a.batching.queue_ms / 1e3)
             self.preemptions.labels(m).inc(a.batching.preemptions)
         self.prefill.labels(m).observe(a.prefill.ms / 1e3)
-        call = next((e for e in a.telemetry.energy if e.phase == "call"), None)
+        energy = {e.phase: e for e in a.telemetry.energy}
+        call = energy.get("call_attributed") or energy.get("call")
         if call is not None and call.joules > 0:
             self.energy.labels(m).inc(call.joules)
 
