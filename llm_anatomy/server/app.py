@@ -159,10 +159,9 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
                 next_check = time.monotonic() + options.poll_disconnect_s
 
     async def anatomy_of(call: Call) -> dict | None:
-        while call.anatomy is None:
-            event = await call.events.get()
-            if isinstance(event, tuple) and event[0] == "anatomy":
-                return event[1]
+        """The call's anatomy summary, waiting for the anatomy thread if it has not finished it yet."""
+        while not call.anatomy_built:
+            await call.events.get()  # the anatomy thread posts once it is done
         return call.anatomy
 
     async def stream(call: Call):
@@ -179,6 +178,7 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
                                  event.logprobs[lp_sent:event.tokens], offset=sent)
             lp_sent = event.tokens
             return body
+
         longest_stop = max((len(s) for s in call.params.stop), default=0)
 
         def sse(obj: dict) -> str:

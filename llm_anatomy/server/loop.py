@@ -58,7 +58,8 @@ class Call:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None
     done: bool = False  # finished or aborted (engine thread)
-    anatomy: dict | None = None  # its summary, once built
+    anatomy: dict | None = None  # its summary, once built (None also when there is none: aborted before its prefill)
+    anatomy_built: bool = False  # set (before the "anatomy" event is posted) once the anatomy thread is done with it
 
     def post(self, event) -> None:
         """From another thread: put an event on the handler's queue."""
@@ -282,7 +283,7 @@ class EngineLoop:
                 self.store.give_up(call.id)
                 summary = {"id": call.id, "error": f"the anatomy could not be built: {type(e).__name__}: {e}"}
             self.metrics.finished(result.finish_reason, len(result.prompt_token_ids), len(result.output_token_ids))
-            call.anatomy = summary
+            call.anatomy, call.anatomy_built = summary, True
             call.post(("anatomy", summary))
 
     def _anatomy(self, call: Call, trace: RequestTrace, result) -> Anatomy | None:
