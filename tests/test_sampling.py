@@ -61,6 +61,17 @@ def test_greedy_and_penalties():
     assert sampler(logits, [presence], [None], [counts]).item() == 1
 
 
+def test_logit_bias_moves_the_choice_row_by_row():
+    sampler = Sampler(CPU, seed=0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)
+    rows = [SamplingParams(temperature=0, logit_bias=((3, 5.0),)),  # -1 + 5 beats 2
+            SamplingParams(temperature=0, logit_bias=((0, -100.0),)),  # the best is banned: the next one
+            SamplingParams(temperature=0)]
+    assert sampler(logits, rows, [None] * 3, [None] * 3).tolist() == [3, 1, 0]
+    banned = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0)))
+    assert draw([2.0, 1.0, 0.0, -1.0], banned)[:2].sum() == 0
+
+
 def test_mixed_rows_and_seeded_generators():
     sampler = Sampler(CPU, seed=0)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
@@ -90,6 +101,9 @@ def test_mixed_rows_and_seeded_generators():
     ("seed", 1.5, "seed must be an integer"),
     ("stop", ("",), "stop must be a list of non-empty strings"),
     ("stop_token_ids", (-1,), "stop_token_ids must be a list of non-negative integers"),
+    ("logit_bias", ((3, 101.0),), r"logit_bias must map token ids \(>= 0\) to biases in \[-100, 100\]"),
+    ("logit_bias", ((-1, 1.0),), "logit_bias must map token ids"),
+    ("logprobs", 21, r"logprobs must be an integer in 0..20"),
 ])
 def test_invalid_values_are_rejected_with_the_field_named(field, value, message):
     with pytest.raises(RequestError, match=message) as info:

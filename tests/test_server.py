@@ -219,6 +219,12 @@ def test_logprobs_chat_and_completions(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
 
 
+def test_logit_bias_steers_the_tokens(server):
+    r = chat(server, max_tokens=5, temperature=0, logit_bias={"1234": 100}, extra_body=NO_EOS)
+    a = Anatomy.from_json(httpx.get(f"{server.url}/v1/anatomy/{r.id.split('-', 1)[1]}").text)
+    assert a.output_token_ids == [1234] * 5
+
+
 def test_seeded_sampling_repeats(server):
     a, b = (chat(server, max_tokens=8, temperature=0.9, top_p=0.95, seed=7,
                  extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True}).choices[0].message.content for _ in range(2))
@@ -351,6 +357,9 @@ BAD = [
     ("n > 1", {**GOOD, "n": 2}, 400, "n"),
     ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs"),
     ("top_logprobs > 20", {**GOOD, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("logit_bias key not a token id", {**GOOD, "logit_bias": {"hello": 5}}, 400, "logit_bias"),
+    ("logit_bias value > 100", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit_bias token outside the vocabulary", {**GOOD, "logit_bias": {"99999999": 5}}, 400, "logit_bias"),
     ("json mode", {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("forced tool choice", {**GOOD, "tool_choice": "required"}, 400, "tool_choice"),
     ("stream_options without stream", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options"),

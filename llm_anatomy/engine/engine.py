@@ -279,6 +279,10 @@ class Engine:
         if bad:
             raise RequestError(f"prompt token {bad[0]!r} is outside the model's vocabulary (0..{vocab - 1})",
                                param="prompt")
+        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise RequestError(f"logit_bias names token {bad_bias[0]}, outside the vocabulary (0..{vocab - 1})",
+                               param="logit_bias")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "

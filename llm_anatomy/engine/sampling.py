@@ -33,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # return each sampled token's log-probability and this many top alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit) before any sampling
     extra: dict = field(default_factory=dict, compare=False)  # not used by sampling; kept for records
 
     def __post_init__(self):
@@ -64,6 +65,11 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
+                    and not isinstance(pair[0], bool) and pair[0] >= 0 and isinstance(pair[1], (int, float))
+                    and not isinstance(pair[1], bool) and -100 <= pair[1] <= 100):
+                bad("logit_bias", f"must map token ids (>= 0) to biases in [-100, 100], got {pair!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (top alternatives per token), got {self.logprobs!r}")
@@ -71,6 +77,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits: an argmax and nothing else."""
+        return self.greedy and not self.uses_penalties and not self.logit_bias
 
     @property
     def uses_penalties(self) -> bool:
@@ -92,6 +103,7 @@ class _RowParams:
     min_p: torch.Tensor | None
     frequency: torch.Tensor | None
     presence: torch.Tensor | None
+    bias: torch.Tensor | None  # [rows, vocab] added to the logits, when a row has a logit_bias
     pinned: list  # the host tensors the copies read from, kept alive
 
 
@@ -107,9 +119,9 @@ class Sampler:
             self.generator.seed()
         self._cache: dict[tuple, _RowParams] = {}
 
-    def _rows(self, params: list[SamplingParams]) -> _RowParams:
-        key = tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.frequency_penalty, p.presence_penalty)
-                    for p in params)
+    def _rows(self, params: list[SamplingParams], vocab: int) -> _RowParams:
+        key = tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.frequency_penalty, p.presence_penalty,
+                     p.logit_bias) for p in params)
         rows = self._cache.get(key)
         if rows is not None:
             return rows
@@ -135,16 +147,29 @@ class Sampler:
             min_p=dev([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
             frequency=dev([p.frequency_penalty for p in params]) if any(p.uses_penalties for p in params) else None,
             presence=dev([p.presence_penalty for p in params]) if any(p.uses_penalties for p in params) else None,
+            bias=self._bias(params, vocab, pinned) if any(p.logit_bias for p in params) else None,
             pinned=pinned)
         self._cache[key] = rows
         return rows
 
+    def _bias(self, params: list[SamplingParams], vocab: int, pinned: list) -> torch.Tensor:
+        host = torch.zeros(len(params), vocab)
+        for row, p in enumerate(params):
+            for token, value in p.logit_bias:
+                host[row, token] = value
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        pinned.append(host)
+        return host.to(self.device, non_blocking=True)
+
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], output_counts: list[torch.Tensor | None]) -> torch.Tensor:
         """logits: [rows, vocab] float32 -> next token ids [rows] (int64, on the device)."""
-        if all(p.greedy and not p.uses_penalties for p in params):
+        if all(p.plain_greedy for p in params):
             return logits.argmax(dim=-1)
-        r = self._rows(params)
+        r = self._rows(params, logits.shape[-1])
+        if r.bias is not None:
+            logits = logits + r.bias
         if r.frequency is not None:
             counts = torch.stack([c.float() if c is not None else torch.zeros_like(logits[0]) for c in output_counts])
             logits = logits - r.frequency * counts - r.presence * (counts > 0).float()

@@ -161,8 +161,11 @@ class Request:
 def _common(body: _Sampling) -> dict:
     if body.n not in (None, 1):
         _refuse("n", f"= {body.n} is not supported: one choice per request; send {body.n} requests instead")
-    if body.logit_bias:
-        _refuse("logit_bias", "is not supported")
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+        bias.append((int(key), float(value)))
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
@@ -171,7 +174,7 @@ def _common(body: _Sampling) -> dict:
     return dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                 seed=body.seed, stop=tuple(stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
+                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, logit_bias=tuple(sorted(bias)))
 
 
 def chat_request(body: ChatCompletionRequest) -> Request:
