@@ -225,6 +225,36 @@ def test_logit_bias_steers_the_tokens(server):
     assert a.output_token_ids == [1234] * 5
 
 
+def test_n_choices_streamed_and_not(server):
+    raw = server.client().chat.completions.with_raw_response.create(
+        model=MODEL, messages=HELLO, n=3, max_tokens=6, temperature=0.9, seed=11,
+        extra_body={"ignore_eos": True, "anatomy": True})
+    ids = raw.headers["x-anatomy-id"].split(",")
+    r = raw.parse()
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(ids)) == 3
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == len(Anatomy.from_json(
+        httpx.get(f"{server.url}/v1/anatomy/{ids[0]}").text).prompt_token_ids)
+    assert [a["id"] for a in r.model_extra["anatomy"]] == ids
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # seed + i: the choices differ...
+    again = chat(server, n=3, max_tokens=6, temperature=0.9, seed=11, extra_body=NO_EOS)
+    assert [c.message.content for c in again.choices] == texts  # ...and repeat
+    stream = server.client().chat.completions.create(model=MODEL, messages=HELLO, n=3, max_tokens=6, temperature=0.9,
+                                                     seed=11, stream=True, stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True, "anatomy": True})
+    chunks = list(stream)
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 18 and len(chunks[-1].model_extra["anatomy"]) == 3
+    completions = server.client().completions.create(model=MODEL, prompt="The KV", n=2, max_tokens=4,
+                                                     temperature=0, extra_body=NO_EOS)
+    assert [c.index for c in completions.choices] == [0, 1]
+    assert completions.choices[0].text == completions.choices[1].text  # greedy: the same twice
+    server.wait_idle()
+
+
 def test_seeded_sampling_repeats(server):
     a, b = (chat(server, max_tokens=8, temperature=0.9, top_p=0.95, seed=7,
                  extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True}).choices[0].message.content for _ in range(2))
@@ -354,7 +384,8 @@ BAD = [
     ("top_p > 1", {**GOOD, "top_p": 1.5}, 400, "top_p"),
     ("max_tokens < 1", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
     ("presence_penalty > 2", {**GOOD, "presence_penalty": 3}, 400, "presence_penalty"),
-    ("n > 1", {**GOOD, "n": 2}, 400, "n"),
+    ("n > 16", {**GOOD, "n": 17}, 400, "n"),
+    ("n = 0", {**GOOD, "n": 0}, 400, "n"),
     ("top_logprobs without logprobs", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs"),
     ("top_logprobs > 20", {**GOOD, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("logit_bias key not a token id", {**GOOD, "logit_bias": {"hello": 5}}, 400, "logit_bias"),

@@ -116,30 +116,42 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
         body = parse_body(await read_body(request), ChatCompletionRequest if chat else CompletionRequest)
         req = chat_request(body) if chat else completion_request(body)
         check_model(req.model)
-        call = await asyncio.to_thread(loop.prepare, req, received, asyncio.get_running_loop())
-        loop.submit(call)
-        headers = {"x-anatomy-id": call.id}
+        first = await asyncio.to_thread(loop.prepare, req, received, asyncio.get_running_loop())
+        calls = [first] + [loop.another_choice(first, i) for i in range(1, req.n)]
+        for call in calls:
+            loop.submit(call)
+        headers = {"x-anatomy-id": ",".join(c.id for c in calls)}
         if req.stream:
-            return StreamingResponse(stream(call), media_type="text/event-stream",
+            return StreamingResponse(stream(calls), media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache"})
         try:
-            progress = await wait_done(call, request)
-        except asyncio.CancelledError:
-            loop.abort(call)
-            raise
-        if progress is None:  # the client went away
+            ends = await asyncio.gather(*(wait_done(c, request) for c in calls))
+        finally:  # cancelled (shutdown), disconnected or failed: nothing of it keeps running
+            for call in calls:
+                loop.abort(call)
+        if any(end is None for end in ends):  # the client went away
             return Response(status_code=499, headers=headers)
-        if isinstance(progress, APIError):
-            return error_response(progress, headers)
-        text = (call.prompt_text or "") + progress.text if req.echo else progress.text
-        logprobs = None
-        if progress.logprobs is not None:
-            logprobs = logprobs_body(req, engine.tokenizer.token_bytes, progress.token_ids[:progress.tokens],
-                                     progress.logprobs[:progress.tokens])
-        out = completion_body(req, call.id, now_s(), text, progress.finish_reason,
-                              len(call.prompt_token_ids), progress.tokens, logprobs)
-        if req.want_anatomy:
-            out["anatomy"] = await anatomy_of(call)
+        failed = next((end for end in ends if isinstance(end, APIError)), None)
+        if failed is not None:
+            return error_response(failed, headers)
+        out = None
+        for i, (call, end) in enumerate(zip(calls, ends)):
+            text = (call.prompt_text or "") + end.text if req.echo else end.text
+            logprobs = None
+            if end.logprobs is not None:
+                logprobs = logprobs_body(req, engine.tokenizer.token_bytes, end.token_ids[:end.tokens],
+                                         end.logprobs[:end.tokens])
+            body_i = completion_body(req, first.id, now_s(), text, end.finish_reason, len(call.prompt_token_ids),
+                                     end.tokens, logprobs)
+            body_i["choices"][0]["index"] = i
+            if out is None:
+                out = body_i
+            else:
+                out["choices"] += body_i["choices"]
+                out["usage"] = usage(len(first.prompt_token_ids), out["usage"]["completion_tokens"] + end.tokens)
+        if req.want_anatomy:  # one summary, or a list of them (one per choice) when n > 1
+            summaries = [await anatomy_of(c) for c in calls]
+            out["anatomy"] = summaries[0] if req.n == 1 else summaries
         return JSONResponse(out, headers=headers)
 
     async def wait_done(call: Call, request: Request) -> Progress | APIError | None:
@@ -164,9 +176,13 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
             await call.events.get()  # the anatomy thread posts once it is done
         return call.anatomy
 
-    async def stream(call: Call):
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def choice_stream(call: Call, key: str, created: int, index: int, tokens: list[int]):
+        """One choice's SSE chunks, up to and with its finish reason; its output token count lands in tokens."""
         req = call.request
-        created, sent, lp_sent = now_s(), 0, 0
+        sent, lp_sent = 0, 0
         want_logprobs = call.params.logprobs is not None
 
         def new_logprobs(event: Progress) -> dict | None:
@@ -180,70 +196,97 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
             return body
 
         longest_stop = max((len(s) for s in call.params.stop), default=0)
-
-        def sse(obj: dict) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
         # A text chunk is sent per step per stream: its JSON is cut once around a marker, then only the text
         # is encoded each time (at 64 streams, dict building and dumping per chunk costs the GIL real time).
         marker = "\x00text\x00"
-        head, tail = sse(chunk(req, call.id, created, text=marker)).split(json.dumps(marker))
-
-        try:
-            if req.chat:
-                yield sse(chunk(req, call.id, created, role=True))
-            elif req.echo and call.prompt_text:
-                yield sse(chunk(req, call.id, created, text=call.prompt_text))
-            while True:
-                event = await call.events.get()
-                if isinstance(event, APIError):
-                    yield sse(event.body())
-                    break
-                if not isinstance(event, Progress):
-                    continue
-                while not call.events.empty():  # the client fell behind: send what is there in one chunk
-                    nxt = call.events.get_nowait()
-                    if isinstance(nxt, Progress):
-                        event = nxt
-                    elif isinstance(nxt, APIError):
-                        event = nxt
-                        break
-                if isinstance(event, APIError):
-                    yield sse(event.body())
-                    break
-                text, final = event.text, event.finish_reason is not None
-                if not final:
-                    # Hold back what could still become a stop string (cut from the text) or a tool call.
-                    upto = len(text) - max(0, longest_stop - 1)
-                    if req.parse_tool_calls:
-                        upto = min(upto, _before_tool_call(text))
-                    if upto > sent:
-                        if want_logprobs:
-                            yield sse(chunk(req, call.id, created, text=text[sent:upto], logprobs=new_logprobs(event)))
-                        else:
-                            yield head + json.dumps(text[sent:upto], ensure_ascii=False) + tail
-                        sent = upto
-                    continue
-                rest, calls, reason = text[sent:], [], event.finish_reason
+        head, tail = sse(chunk(req, key, created, text=marker, index=index)).split(json.dumps(marker))
+        if req.chat:
+            yield sse(chunk(req, key, created, role=True, index=index))
+        elif req.echo and call.prompt_text:
+            yield sse(chunk(req, key, created, text=call.prompt_text, index=index))
+        while True:
+            event = await call.events.get()
+            if not isinstance(event, (Progress, APIError)):
+                continue
+            while isinstance(event, Progress) and not call.events.empty():  # the client fell behind: one chunk
+                nxt = call.events.get_nowait()
+                if isinstance(nxt, (Progress, APIError)):
+                    event = nxt
+            if isinstance(event, APIError):
+                yield sse(event.body())
+                return
+            text = event.text
+            if event.finish_reason is None:
+                # Hold back what could still become a stop string (cut from the text) or a tool call.
+                upto = len(text) - max(0, longest_stop - 1)
                 if req.parse_tool_calls:
-                    content, calls = split_tool_calls(rest, call.id, None if req.parallel_tool_calls else 1)
-                    rest = content or ""
-                    reason = "tool_calls" if calls else reason
-                rest_logprobs = new_logprobs(event)
-                if rest or calls or rest_logprobs:
-                    yield sse(chunk(req, call.id, created, text=rest, tool_calls=calls, logprobs=rest_logprobs))
-                last = chunk(req, call.id, created, finish_reason=reason)
-                final_usage = usage(len(call.prompt_token_ids), event.tokens)
+                    upto = min(upto, _before_tool_call(text))
+                if upto > sent:
+                    if want_logprobs:
+                        yield sse(chunk(req, key, created, text=text[sent:upto], logprobs=new_logprobs(event),
+                                        index=index))
+                    else:
+                        yield head + json.dumps(text[sent:upto], ensure_ascii=False) + tail
+                    sent = upto
+                continue
+            rest, calls, reason = text[sent:], [], event.finish_reason
+            if req.parse_tool_calls:
+                content, calls = split_tool_calls(rest, call.id, None if req.parallel_tool_calls else 1)
+                rest = content or ""
+                reason = "tool_calls" if calls else reason
+            rest_logprobs = new_logprobs(event)
+            if rest or calls or rest_logprobs:
+                yield sse(chunk(req, key, created, text=rest, tool_calls=calls, logprobs=rest_logprobs, index=index))
+            tokens.append(event.tokens)
+            yield sse(chunk(req, key, created, finish_reason=reason, index=index))
+            return
+
+    async def merged(streams: list):
+        """Several choices' chunks as they come (n > 1)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(gen):
+            try:
+                async for item in gen:
+                    await queue.put(item)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(g)) for g in streams]
+        try:
+            done = 0
+            while done < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def stream(calls: list[Call]):
+        req, key, created = calls[0].request, calls[0].id, now_s()
+        tokens: list[int] = []
+        try:
+            streams = [choice_stream(c, key, created, i, tokens) for i, c in enumerate(calls)]
+            async for item in (streams[0] if len(streams) == 1 else merged(streams)):
+                yield item
+            if len(tokens) == len(calls):  # every choice finished (none failed)
+                last = None
                 if req.include_usage:
+                    last = chunk(req, key, created, usage_=usage(len(calls[0].prompt_token_ids), sum(tokens)),
+                                 no_choices=True)
+                if req.want_anatomy:  # in the last chunk: one summary, or one per choice when n > 1
+                    summaries = [await anatomy_of(c) for c in calls]
+                    last = last or chunk(req, key, created, no_choices=True)
+                    last["anatomy"] = summaries[0] if req.n == 1 else summaries
+                if last is not None:
                     yield sse(last)
-                    last = chunk(req, call.id, created, usage_=final_usage, no_choices=True)
-                if req.want_anatomy:
-                    last["anatomy"] = await anatomy_of(call)
-                yield sse(last)
-                break
             yield "data: [DONE]\n\n"
         finally:
-            loop.abort(call)  # a no-op once it has finished; frees its KV blocks if the client left
+            for call in calls:
+                loop.abort(call)  # a no-op once it has finished; frees its KV blocks if the client left
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

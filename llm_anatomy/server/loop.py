@@ -10,6 +10,7 @@ off the engine thread (so it costs the running batch almost nothing), stores it 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -146,6 +147,15 @@ class EngineLoop:
             raise APIError(400, str(e), param=e.param, code=code) from None
         marks = Marks(received_ns, t_template, t_tokenize, time.perf_counter_ns())
         return Call(uuid.uuid4().hex[:16], request, marks, ids, prompt_text, params, loop)
+
+    def another_choice(self, call: Call, index: int) -> Call:
+        """Choice `index` of a request with n > 1: the same prompt, its own sequence and anatomy; with a seed,
+        seed + index, so that the choices differ and each can be reproduced."""
+        params = call.params
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + index)
+        return Call(uuid.uuid4().hex[:16], call.request, dataclasses.replace(call.marks), call.prompt_token_ids,
+                    call.prompt_text, params, call.loop)
 
     def submit(self, call: Call) -> None:
         if self._stopping.is_set() or not self.alive:

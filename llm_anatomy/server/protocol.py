@@ -149,6 +149,7 @@ class Request:
     include_usage: bool
     want_anatomy: bool
     echo: bool = False
+    n: int = 1  # choices: each its own sequence (and its own anatomy); with a seed, choice i uses seed + i
     parallel_tool_calls: bool = True  # false: at most one tool call per answer (the first the model wrote)
     user: str | None = None
     shown: dict = field(default_factory=dict)  # the request as recorded in its anatomy
@@ -158,9 +159,12 @@ class Request:
         return self.kind == "chat"
 
 
+MAX_N = 16
+
+
 def _common(body: _Sampling) -> dict:
-    if body.n not in (None, 1):
-        _refuse("n", f"= {body.n} is not supported: one choice per request; send {body.n} requests instead")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise APIError(400, f"n must be in 1..{MAX_N}, got {body.n}", param="n")
     bias = []
     for key, value in (body.logit_bias or {}).items():
         if not key.isdigit():
@@ -221,14 +225,14 @@ def chat_request(body: ChatCompletionRequest) -> Request:
     return Request("chat", body.model, messages, None, None, {**sampling, "max_tokens": max_tokens},
                    max_tokens is not None, thinking, tools, tools is not None, bool(body.stream),
                    bool(body.stream_options and body.stream_options.include_usage), body.anatomy,
-                   parallel_tool_calls=body.parallel_tool_calls is not False, user=body.user,
+                   n=body.n or 1, parallel_tool_calls=body.parallel_tool_calls is not False, user=body.user,
                    shown={"messages": messages, **shown})
 
 
 def completion_request(body: CompletionRequest) -> Request:
     sampling = _common(body)
-    if body.best_of not in (None, 1):
-        _refuse("best_of", "must be 1: one choice per request")
+    if body.best_of not in (None, body.n or 1):
+        _refuse("best_of", "must equal n: choices are not ranked")
     if body.logprobs is not None:
         if not 0 <= body.logprobs <= 5:
             raise APIError(400, f"logprobs must be in 0..5 for completions, got {body.logprobs}", param="logprobs")
@@ -252,7 +256,7 @@ def completion_request(body: CompletionRequest) -> Request:
                    {**sampling, "max_tokens": body.max_tokens if body.max_tokens is not None else 16},
                    True, True, None, False, bool(body.stream),
                    bool(body.stream_options and body.stream_options.include_usage), body.anatomy,
-                   echo=body.echo, user=body.user, shown=shown)
+                   echo=body.echo, n=body.n or 1, user=body.user, shown=shown)
 
 
 # ---- tool calls (Qwen3 writes them as Hermes-style <tool_call>{json}</tool_call> blocks) ----------------------------
@@ -343,7 +347,7 @@ def completion_body(req: Request, request_id: str, created: int, text: str, fini
 
 def chunk(req: Request, request_id: str, created: int, *, text: str | None = None, role: bool = False,
           tool_calls: list[dict] | None = None, finish_reason: str | None = None, usage_: dict | None = None,
-          no_choices: bool = False, logprobs: dict | None = None) -> dict:
+          no_choices: bool = False, logprobs: dict | None = None, index: int = 0) -> dict:
     """One SSE chunk as OpenAI sends it."""
     body = {"id": response_id(req, request_id), "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": created, "model": req.model, "system_fingerprint": None}
@@ -358,9 +362,9 @@ def chunk(req: Request, request_id: str, created: int, *, text: str | None = Non
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
-        body["choices"] = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
+        body["choices"] = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
     if usage_ is not None or (req.include_usage and not no_choices):
         body["usage"] = usage_  # null on every chunk but the last when include_usage is on
     return body
