@@ -136,7 +136,11 @@ def test_fast_path_model_equals_reference(save_tiny, budget, mixed):
             return rows[-1]
 
         engine.runner.run = recording
-        outs = engine.generate_many(prompts, temperature=0, max_tokens=10, ignore_eos=True)
-        logits[name] = (torch.cat(rows), [o.output_token_ids for o in outs])
+        outs = engine.generate_many(prompts, temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+        logits[name] = (torch.cat(rows), [o.output_token_ids for o in outs], [o.logprobs for o in outs])
     assert logits["fast"][1] == logits["reference"][1]
     assert rel(logits["fast"][0], logits["reference"][0]) < 1e-5
+    # logprobs come back with the tokens (on a GPU: copied with them, ahead of the next step)
+    for fast_seq, ref_seq in zip(logits["fast"][2], logits["reference"][2]):
+        for (lp, top), (ref_lp, ref_top) in zip(fast_seq, ref_seq, strict=True):
+            assert lp == pytest.approx(ref_lp, abs=1e-4) and [t for t, _ in top] == [t for t, _ in ref_top]
