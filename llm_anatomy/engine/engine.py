@@ -403,27 +403,26 @@ class Engine:
     def _complete(self, p: "_Pending") -> None:
         """Read the step's tokens back (the one sync per step) and append them."""
         step, batch = p.step, p.batch
-        tokens = dict(zip(map(id, batch.sampled), p.read_tokens())) if batch.sampled else {}
-        logprobs = {}
+        tokens = self._per_seq(batch, p.read_tokens() if batch.sampled else [])
+        logprobs = None
         if p.logprobs is not None:  # copied before the event read_tokens waited for
             chosen, ids, values = (t.tolist() if t is not None else None for t in p.logprobs)
-            for row, seq in enumerate(batch.sampled):
-                k = seq.params.logprobs
-                if k is not None:
-                    logprobs[id(seq)] = (chosen[row], list(zip(ids[row][:k], values[row][:k])) if ids else [])
+            logprobs = self._per_seq(batch, [
+                (chosen[row], list(zip(ids[row][:k], values[row][:k])) if ids else []) if k is not None else None
+                for row, k in enumerate(s.params.logprobs for s in batch.sampled)])
         if step is not None:
             step.t_sampled_ns = time.perf_counter_ns()
-            step.tokens = [tokens.get(id(s)) for s in batch.seqs]
-        for seq, n in zip(batch.seqs, batch.query_lens):
+            step.tokens = tokens
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.query_lens)):
             if seq.finished:  # ended (stop token, abort) while this step was already in flight
                 continue
             seq.num_cached += n
-            token = tokens.get(id(seq))
+            token = tokens[i]
             if token is None:  # a chunk of a prompt: no token yet
                 continue
             t = time.perf_counter_ns() if step is not None else 0
             if seq.logprobs is not None:
-                seq.logprobs.append(logprobs[id(seq)])
+                seq.logprobs.append(logprobs[i])
             self._append_token(seq, token)
             if step is not None:
                 step.detokenize_ns += time.perf_counter_ns() - t
@@ -433,6 +432,14 @@ class Engine:
             step.t_end_ns = time.perf_counter_ns()
             for o in self.observers:
                 o.on_step(step)
+
+    @staticmethod
+    def _per_seq(batch: ScheduledBatch, values: list) -> list:
+        """Values of the sampled sequences, one per sequence of the batch (None for a prompt chunk)."""
+        if len(values) == len(batch.seqs):  # every sequence sampled, in order (always so in a decode step)
+            return values
+        got = dict(zip(map(id, batch.sampled), values))
+        return [got.get(id(s)) for s in batch.seqs]
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)

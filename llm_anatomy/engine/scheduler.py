@@ -136,7 +136,7 @@ class Scheduler:
     def _take_running(self, candidates: list[Sequence], budget: int, seqs: list, lens: list) -> int:
         """Schedule running sequences' next tokens (preempting the newest when blocks run out); the budget left."""
         for seq in candidates:
-            if seq not in self.running:
+            if seq.status is not Status.RUNNING:
                 continue  # preempted below while making room for an earlier one
             take = self._chunk(seq.num_tokens - seq.num_cached, budget)
             if take <= 0:
@@ -146,7 +146,7 @@ class Scheduler:
                 self.preempt(victim)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq.status is Status.RUNNING:
                 seqs.append(seq)
                 lens.append(take)
                 budget -= take
