@@ -103,7 +103,7 @@ class _RowParams:
     min_p: torch.Tensor | None
     frequency: torch.Tensor | None
     presence: torch.Tensor | None
-    bias: torch.Tensor | None  # [rows, vocab] added to the logits, when a row has a logit_bias
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values) of the logit biases
     pinned: list  # the host tensors the copies read from, kept alive
 
 
@@ -119,7 +119,7 @@ class Sampler:
             self.generator.seed()
         self._cache: dict[tuple, _RowParams] = {}
 
-    def _rows(self, params: list[SamplingParams], vocab: int) -> _RowParams:
+    def _rows(self, params: list[SamplingParams]) -> _RowParams:
         key = tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.frequency_penalty, p.presence_penalty,
                      p.logit_bias) for p in params)
         rows = self._cache.get(key)
@@ -147,29 +147,32 @@ class Sampler:
             min_p=dev([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
             frequency=dev([p.frequency_penalty for p in params]) if any(p.uses_penalties for p in params) else None,
             presence=dev([p.presence_penalty for p in params]) if any(p.uses_penalties for p in params) else None,
-            bias=self._bias(params, vocab, pinned) if any(p.logit_bias for p in params) else None,
+            bias=self._bias(params, pinned) if any(p.logit_bias for p in params) else None,
             pinned=pinned)
         self._cache[key] = rows
         return rows
 
-    def _bias(self, params: list[SamplingParams], vocab: int, pinned: list) -> torch.Tensor:
-        host = torch.zeros(len(params), vocab)
-        for row, p in enumerate(params):
-            for token, value in p.logit_bias:
-                host[row, token] = value
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        pinned.append(host)
-        return host.to(self.device, non_blocking=True)
+    def _bias(self, params: list[SamplingParams], pinned: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The biases as (row, token, value) triples on the device: a few entries, not a [rows, vocab] tensor."""
+        triples = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias]
+        rows, tokens, values = zip(*triples)
+        out = []
+        for data, dtype in ((rows, torch.int64), (tokens, torch.int64), (values, torch.float32)):
+            host = torch.tensor(data, dtype=dtype)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            pinned.append(host)
+            out.append(host.to(self.device, non_blocking=True))
+        return tuple(out)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], output_counts: list[torch.Tensor | None]) -> torch.Tensor:
         """logits: [rows, vocab] float32 -> next token ids [rows] (int64, on the device)."""
         if all(p.plain_greedy for p in params):
             return logits.argmax(dim=-1)
-        r = self._rows(params, logits.shape[-1])
+        r = self._rows(params)
         if r.bias is not None:
-            logits = logits + r.bias
+            logits = logits.index_put(r.bias[:2], r.bias[2], accumulate=True)
         if r.frequency is not None:
             counts = torch.stack([c.float() if c is not None else torch.zeros_like(logits[0]) for c in output_counts])
             logits = logits - r.frequency * counts - r.presence * (counts > 0).float()
