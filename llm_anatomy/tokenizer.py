@@ -96,6 +96,14 @@ class Tokenizer:
         """The exact bytes one token stands for (may be part of a UTF-8 character)."""
         raise NotImplementedError
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it shows alone: a partial UTF-8 character becomes U+FFFD; "" for an id with no
+        bytes."""
+        try:
+            return self.token_bytes(token_id).decode("utf-8", errors="replace")
+        except ValueError:
+            return ""
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token given as its vocabulary string (ByteLevel form, e.g. 'Ġthe') or an added token's content."""
         raise NotImplementedError

@@ -57,15 +57,6 @@ def device_record(engine: Engine, why: str) -> DeviceRecord:
                         total, why, torch.__version__)
 
 
-def token_text(engine: Engine):
-    def text(token: int) -> str:
-        try:
-            return engine.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
-        except ValueError:
-            return ""
-    return text
-
-
 @dataclass
 class Marks:
     """Host instants (perf_counter_ns) of one call's front half, and its end."""
@@ -162,7 +153,7 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
         marks.received, marks.template, marks.tokenize, marks.queue, marks.end))
     prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
     prefill = prefill_record(rec, prefill_step, engine, ceilings)
-    steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, token_text(engine), prefill_step)
+    steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, engine.tokenizer.token_text, prefill_step)
     token_times = [clock.ms(r.step.t_end_ns) for r in rec.steps]
     ttft = token_times[0]
     e2e = t_end

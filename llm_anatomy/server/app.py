@@ -139,7 +139,7 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
             text = (call.prompt_text or "") + end.text if req.echo else end.text
             logprobs = None
             if end.logprobs is not None:
-                logprobs = logprobs_body(req, engine.tokenizer.token_bytes, end.token_ids[:end.tokens],
+                logprobs = logprobs_body(req, engine.tokenizer, end.token_ids[:end.tokens],
                                          end.logprobs[:end.tokens])
             body_i = completion_body(req, first.id, now_s(), text, end.finish_reason, len(call.prompt_token_ids),
                                      end.tokens, logprobs)
@@ -190,7 +190,7 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
             nonlocal lp_sent
             if not want_logprobs or event.tokens <= lp_sent:
                 return None
-            body = logprobs_body(req, engine.tokenizer.token_bytes, event.token_ids[lp_sent:event.tokens],
+            body = logprobs_body(req, engine.tokenizer, event.token_ids[lp_sent:event.tokens],
                                  event.logprobs[lp_sent:event.tokens], offset=sent)
             lp_sent = event.tokens
             return body

@@ -288,34 +288,32 @@ def split_tool_calls(text: str, request_id: str, most: int | None = None) -> tup
 
 
 # ---- logprobs ----------------------------------------------------------------------------------------------------
-def _entry(token_bytes, token: int, logprob: float) -> dict:
-    raw = token_bytes(token)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+def _entry(tokenizer, token: int, logprob: float) -> dict:
+    return {"token": tokenizer.token_text(token), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token))}
 
 
-def chat_logprobs(token_bytes, tokens: list[int], entries: list) -> dict:
+def chat_logprobs(tokenizer, tokens: list[int], entries: list) -> dict:
     """The chat API's logprobs object for these output tokens and their (logprob, top) entries."""
-    return {"content": [{**_entry(token_bytes, t, lp), "top_logprobs": [_entry(token_bytes, i, v) for i, v in top]}
+    return {"content": [{**_entry(tokenizer, t, lp), "top_logprobs": [_entry(tokenizer, i, v) for i, v in top]}
                         for t, (lp, top) in zip(tokens, entries)], "refusal": None}
 
 
-def completion_logprobs(token_bytes, tokens: list[int], entries: list, offset: int = 0) -> dict:
+def completion_logprobs(tokenizer, tokens: list[int], entries: list, offset: int = 0) -> dict:
     """The legacy completions API's logprobs object; `offset` is where these tokens' text starts."""
-    texts = [token_bytes(t).decode("utf-8", errors="replace") for t in tokens]
+    texts = [tokenizer.token_text(t) for t in tokens]
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
     return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{token_bytes(i).decode("utf-8", errors="replace"): v for i, v in top}
-                             for _, top in entries],
+            "top_logprobs": [{tokenizer.token_text(i): v for i, v in top} for _, top in entries],
             "text_offset": offsets}
 
 
-def logprobs_body(req: "Request", token_bytes, tokens: list[int], entries: list, offset: int = 0) -> dict:
+def logprobs_body(req: "Request", tokenizer, tokens: list[int], entries: list, offset: int = 0) -> dict:
     if req.chat:
-        return chat_logprobs(token_bytes, tokens, entries)
-    return completion_logprobs(token_bytes, tokens, entries, offset)
+        return chat_logprobs(tokenizer, tokens, entries)
+    return completion_logprobs(tokenizer, tokens, entries, offset)
 
 
 # ---- responses ----------------------------------------------------------------------------------------------------
