@@ -111,9 +111,6 @@ class Recorder:
         self.traces[request_id] = trace
         return trace
 
-    def forget(self, request_id: str) -> None:
-        self.traces.pop(request_id, None)
-
     def _now(self) -> object:
         return self.clock.event() if self.clock.cuda else time.perf_counter_ns()
 

@@ -217,13 +217,8 @@ class EngineLoop:
 
     def _add(self, call: Call) -> None:
         self.recorder.watch(call.id, call.marks.received)
-        try:
-            call.seq = self.engine.add_request(call.prompt_token_ids, call.params, request_id=call.id)
-        except RequestError as e:  # checked in prepare already; the pool may have changed size since
-            self.recorder.forget(call.id)
-            call.done = True
-            call.post(APIError(400, str(e), param=e.param))
-            return
+        # prepare() ran the same checks (Engine.check_request) on the same fixed pool: this cannot refuse it
+        call.seq = self.engine.add_request(call.prompt_token_ids, call.params, request_id=call.id)
         self._calls[call.id] = call
 
     def _step(self) -> None:
