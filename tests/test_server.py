@@ -553,6 +553,27 @@ def test_tools_reach_the_template(server):
     assert "get_weather" not in a.prompt_text
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "-1"], "--port must be >= 0"),
+    (["--port", "70000"], "--port must be <= 65535"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+    (["--keep-anatomies", "0"], "--keep-anatomies must be >= 1"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+    (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be >= 1"),
+    (["--gpu-memory-utilization", "0.5"], "cannot be used on the CPU"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--model", "Qwen/Qwen3-0.6B"], "give the model once"),
+    (["--device", "cuda:7"], "cuda"),
+])
+def test_serve_bad_flags_fail_before_loading(capsys, checkpoint, argv, message):
+    from llm_anatomy.cli import main
+
+    assert main(["serve", str(checkpoint), "--device", "cpu", "--no-calibrate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 # ---- the command, as a process: SIGTERM drains, a restart keeps the anatomies ------------------------------------------
 def start_process(checkpoint, run_dir, port):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
