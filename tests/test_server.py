@@ -107,6 +107,7 @@ def test_chat_with_the_anatomy_extension(server):
     anatomy_id = raw.headers["x-anatomy-id"]
     r = raw.parse()
     assert r.object == "chat.completion" and r.model == MODEL and r.id.endswith(anatomy_id)
+    assert r.system_fingerprint.endswith("-checkpoint") and raw.headers["x-llm-anatomy-weights"] == "checkpoint"
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.role == "assistant"
     assert r.usage.completion_tokens == 9 and r.usage.total_tokens == r.usage.prompt_tokens + 9
     summary = r.model_extra["anatomy"]
@@ -425,7 +426,8 @@ def test_other_bad_requests_and_the_server_keeps_serving(server):
 
 
 def test_body_size_limit_and_api_key(checkpoint, tmp_path):
-    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256)
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256,
+                                    weights="synthetic")
     running = Running(engine, tmp_path, api_key="sekret", max_body_bytes=2000)
     try:
         assert httpx.get(f"{running.url}/health").status_code == 200  # open to probes
@@ -436,7 +438,11 @@ def test_body_size_limit_and_api_key(checkpoint, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             running.client(api_key="wrong").models.list()
         client = running.client(api_key="sekret")
-        assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).usage.completion_tokens <= 2
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=2)
+        r = raw.parse()
+        assert r.usage.completion_tokens <= 2
+        # synthetic weights say so on every response: their text is not the model's
+        assert raw.headers["x-llm-anatomy-weights"] == "synthetic" and r.system_fingerprint.endswith("-synthetic")
         big = {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}
         r = httpx.post(f"{running.url}/v1/chat/completions", json=big, headers={"authorization": "Bearer sekret"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -8,6 +8,7 @@ the details; every completion response carries an `x-anatomy-id` header.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..anatomy import Anatomy
 from .loop import Call, EngineLoop, Progress
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_request, chunk, completion_body,
@@ -78,6 +80,8 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
 
     app = FastAPI(title="llm-anatomy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     engine = loop.engine
+    # Every response says which weights wrote it: synthetic ones write text that is not the model's.
+    fingerprint = f"llm-anatomy-{__version__}-{engine.weights.kind}"
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -114,13 +118,13 @@ def create_app(loop: EngineLoop, options: ServeOptions, on_shutdown=None) -> Fas
     async def completion(request: Request, chat: bool):
         received = time.perf_counter_ns()
         body = parse_body(await read_body(request), ChatCompletionRequest if chat else CompletionRequest)
-        req = chat_request(body) if chat else completion_request(body)
+        req = dataclasses.replace(chat_request(body) if chat else completion_request(body), fingerprint=fingerprint)
         check_model(req.model)
         first = await asyncio.to_thread(loop.prepare, req, received, asyncio.get_running_loop())
         calls = [first] + [loop.another_choice(first, i) for i in range(1, req.n)]
         for call in calls:
             loop.submit(call)
-        headers = {"x-anatomy-id": ",".join(c.id for c in calls)}
+        headers = {"x-anatomy-id": ",".join(c.id for c in calls), "x-llm-anatomy-weights": engine.weights.kind}
         if req.stream:
             return StreamingResponse(stream(calls), media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache"})

@@ -153,6 +153,7 @@ class Request:
     parallel_tool_calls: bool = True  # false: at most one tool call per answer (the first the model wrote)
     user: str | None = None
     shown: dict = field(default_factory=dict)  # the request as recorded in its anatomy
+    fingerprint: str | None = None  # the response's system_fingerprint: this server and its weights' kind
 
     @property
     def chat(self) -> bool:
@@ -339,7 +340,7 @@ def completion_body(req: Request, request_id: str, created: int, text: str, fini
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": response_id(req, request_id), "object": "chat.completion" if req.chat else "text_completion",
-            "created": created, "model": req.model, "choices": [choice], "system_fingerprint": None,
+            "created": created, "model": req.model, "choices": [choice], "system_fingerprint": req.fingerprint,
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
@@ -348,7 +349,7 @@ def chunk(req: Request, request_id: str, created: int, *, text: str | None = Non
           no_choices: bool = False, logprobs: dict | None = None, index: int = 0) -> dict:
     """One SSE chunk as OpenAI sends it."""
     body = {"id": response_id(req, request_id), "object": "chat.completion.chunk" if req.chat else "text_completion",
-            "created": created, "model": req.model, "system_fingerprint": None}
+            "created": created, "model": req.model, "system_fingerprint": req.fingerprint}
     if no_choices:
         body["choices"] = []
     elif req.chat:
