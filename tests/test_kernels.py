@@ -56,23 +56,27 @@ def test_silu_mul(dtype):
 
 
 @pytest.mark.parametrize("norm", [True, False])
-def test_qk_norm_rope_store(norm):
+@pytest.mark.parametrize("tokens", [5, 2100])  # a decode batch (a program per token), a prefill (blocks of 32)
+def test_qk_norm_rope_store(norm, tokens):
     from llm_anatomy.models.config import ModelConfig
     from llm_anatomy.models.qwen3 import RMSNorm, RotaryEmbedding
 
-    heads, kv_heads, d, tokens, eps = 4, 2, 32, 5, 1e-6
+    heads, kv_heads, d, eps = 4, 2, 32, 1e-6
     config = ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
                                   "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-                                  "head_dim": d, "max_position_embeddings": 64, "rope_theta": 10000.0})
+                                  "head_dim": d, "max_position_embeddings": 4096, "rope_theta": 10000.0})
     rotary = RotaryEmbedding(config).to(DEVICE)
     qkv = rand(tokens, (heads + 2 * kv_heads) * d)
     qn, kn = RMSNorm(d, eps).to(DEVICE), RMSNorm(d, eps).to(DEVICE)
     with torch.no_grad():
         qn.weight.copy_(rand(d, seed=3))
         kn.weight.copy_(rand(d, seed=4))
-    positions = torch.tensor([0, 3, 7, 8, 40], device=DEVICE)
-    slots = torch.tensor([2, 9, -1, 4, 11], device=DEVICE)  # -1: a padded row, stores nothing
-    k_cache = torch.zeros(4, 4, kv_heads, d, device=DEVICE)
+    g = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEVICE)
+    slots = torch.randperm(4 * tokens, generator=g)[:tokens]
+    slots[2::7] = -1  # -1: a padded row, stores nothing
+    slots = slots.to(DEVICE)
+    k_cache = torch.zeros(tokens, 4, kv_heads, d, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     q = qk_norm_rope_store(qkv, heads, kv_heads, d, qn.weight if norm else None, kn.weight if norm else None, eps,
                            rotary.cos, rotary.sin, positions, slots, k_cache, v_cache)
@@ -84,10 +88,11 @@ def test_qk_norm_rope_store(norm):
     rq, rk = rotary(rq, positions), rotary(rk, positions)
     assert rel(q, rq) < 1e-5
     flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            assert rel(flat_k[slot], rk[t]) < 1e-5 and torch.equal(flat_v[slot], rv[t])
-    assert flat_k[[0, 1, 3, 5, 6, 7, 8, 10, 12, 13, 14, 15]].abs().sum() == 0  # nothing else written
+    stored = slots >= 0
+    assert rel(flat_k[slots[stored]], rk[stored]) < 1e-5 and torch.equal(flat_v[slots[stored]], rv[stored])
+    untouched = torch.ones(len(flat_k), dtype=torch.bool, device=DEVICE)
+    untouched[slots[stored]] = False
+    assert flat_k[untouched].abs().sum() == 0 and flat_v[untouched].abs().sum() == 0  # nothing else written
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

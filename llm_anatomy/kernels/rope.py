@@ -1,8 +1,11 @@
 """QK-norm, RoPE and the KV-cache store in one kernel, straight from the fused qkv projection's output.
 
-One program per (token, head): query heads are normalised over head_dim (Qwen3), rotated (rotate-half) and
-written out; key heads likewise, then stored into their cache slot together with the matching value head.
-A slot of -1 (a padded row of a CUDA-graph batch) stores nothing.
+Each program takes one head of a block of tokens: query heads are normalised over head_dim (Qwen3), rotated
+(rotate-half) and written out; key heads likewise, then stored into their cache slots together with the
+matching value heads. A decode step has a few tokens (one per sequence) and gets blocks of one; a prefill
+of thousands gets blocks of 32, so that a program moves 16 KB rather than 512 bytes (a program per token
+and head spent 372 us a layer on a 7.7k-token step, 7.7 % of it). A slot of -1 (a padded row of a
+CUDA-graph batch) stores nothing.
 """
 
 import torch
@@ -11,53 +14,58 @@ import triton.language as tl
 
 from .pdl import PDL, gdc_enter
 
+MAX_BLOCK_T = 32
+
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                               pos_ptr, slot_ptr, stride_qkv, stride_qo, n_heads, n_kv_heads, eps,
-                               HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                               pos_ptr, slot_ptr, tokens, stride_qkv, stride_qo, n_heads, n_kv_heads, eps,
+                               HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
+                               USE_PDL: tl.constexpr):
     gdc_enter(USE_PDL)
-    t = tl.program_id(0)
     h = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < tokens
     d = tl.arange(0, half)
     is_q = h < n_heads
     kv_h = h - n_heads
     col = tl.where(is_q, h * HEAD_DIM, n_heads * HEAD_DIM + kv_h * HEAD_DIM)
-    base = qkv_ptr + t * stride_qkv + col
-    x1 = tl.load(base + d)
-    x2 = tl.load(base + half + d)
+    base = qkv_ptr + t.to(tl.int64)[:, None] * stride_qkv + col + d[None, :]
+    x1 = tl.load(base, mask=tmask[:, None], other=0.0)
+    x2 = tl.load(base + half, mask=tmask[:, None], other=0.0)
     dtype = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     if HAS_NORM:
-        inv = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HEAD_DIM + eps)
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)[:, None]
         if is_q:
-            w1 = tl.load(qn_ptr + d).to(tl.float32)
-            w2 = tl.load(qn_ptr + half + d).to(tl.float32)
+            w1 = tl.load(qn_ptr + d).to(tl.float32)[None, :]
+            w2 = tl.load(qn_ptr + half + d).to(tl.float32)[None, :]
         else:
-            w1 = tl.load(kn_ptr + d).to(tl.float32)
-            w2 = tl.load(kn_ptr + half + d).to(tl.float32)
+            w1 = tl.load(kn_ptr + d).to(tl.float32)[None, :]
+            w2 = tl.load(kn_ptr + half + d).to(tl.float32)[None, :]
         a = ((a * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         b = ((b * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    pos = tl.load(pos_ptr + t)
-    cos = tl.load(cos_ptr + pos * half + d)
-    sin = tl.load(sin_ptr + pos * half + d)
+    pos = tl.load(pos_ptr + t, mask=tmask, other=0)
+    table = pos.to(tl.int64)[:, None] * half + d[None, :]
+    cos = tl.load(cos_ptr + table)
+    sin = tl.load(sin_ptr + table)
     o1 = (a * cos - b * sin).to(dtype)
     o2 = (b * cos + a * sin).to(dtype)
     if is_q:
-        out = q_out_ptr + t * stride_qo + h * HEAD_DIM
-        tl.store(out + d, o1)
-        tl.store(out + half + d, o2)
+        out = q_out_ptr + t.to(tl.int64)[:, None] * stride_qo + h * HEAD_DIM + d[None, :]
+        tl.store(out, o1, mask=tmask[:, None])
+        tl.store(out + half, o2, mask=tmask[:, None])
     else:
-        slot = tl.load(slot_ptr + t)
-        if slot >= 0:
-            dst = slot * n_kv_heads * HEAD_DIM + kv_h * HEAD_DIM
-            tl.store(k_cache_ptr + dst + d, o1)
-            tl.store(k_cache_ptr + dst + half + d, o2)
-            v_src = qkv_ptr + t * stride_qkv + (n_heads + n_kv_heads) * HEAD_DIM + kv_h * HEAD_DIM
-            full = tl.arange(0, HEAD_DIM)
-            tl.store(v_cache_ptr + dst + full, tl.load(v_src + full))
+        slot = tl.load(slot_ptr + t, mask=tmask, other=-1)
+        smask = (slot >= 0)[:, None]
+        dst = slot.to(tl.int64)[:, None] * (n_kv_heads * HEAD_DIM) + kv_h * HEAD_DIM
+        tl.store(k_cache_ptr + dst + d[None, :], o1, mask=smask)
+        tl.store(k_cache_ptr + dst + half + d[None, :], o2, mask=smask)
+        full = tl.arange(0, HEAD_DIM)[None, :]
+        v_src = qkv_ptr + t.to(tl.int64)[:, None] * stride_qkv + (n_heads + n_kv_heads) * HEAD_DIM + kv_h * HEAD_DIM
+        tl.store(v_cache_ptr + dst + full, tl.load(v_src + full, mask=smask, other=0.0), mask=smask)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -68,8 +76,9 @@ def qk_norm_rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_di
     tokens = qkv.shape[0]
     q = torch.empty(tokens, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
-    _qk_norm_rope_store_kernel[(tokens, n_heads + n_kv_heads)](
+    block_t = min(MAX_BLOCK_T, triton.next_power_of_2(max(1, tokens // 64)))  # decode batches: blocks of 1
+    _qk_norm_rope_store_kernel[(triton.cdiv(tokens, block_t), n_heads + n_kv_heads)](
         qkv, q, k_cache, v_cache, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions,
-        slot_mapping, qkv.stride(0), q.stride(0), n_heads, n_kv_heads, eps, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=1)
+        slot_mapping, tokens, qkv.stride(0), q.stride(0), n_heads, n_kv_heads, eps, HEAD_DIM=head_dim,
+        BLOCK_T=block_t, HAS_NORM=has_norm, USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=1 if block_t == 1 else 4)
     return q

@@ -75,7 +75,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch
 
 
 def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if len(batch.query_lens) > 1 else None
     start = 0
     for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
         qi = q[start:start + n].transpose(0, 1).unsqueeze(0)
@@ -88,6 +88,8 @@ def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torc
             ki = gather_context(k_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
             vi = gather_context(v_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
             oi = _attend_after_prefix(qi, ki, vi, prefix)
+        if len(batch.query_lens) == 1:  # cuDNN lays its output out like q, so this is a view, not a copy
+            return oi.squeeze(0).transpose(0, 1)
         out[start:start + n] = oi.squeeze(0).transpose(0, 1)
         start += n
     return out

@@ -118,7 +118,7 @@ class Attention(nn.Module, FastPath):
         qkv = linear(x, self.qkv_proj, self.fast)
         if self.fast:
             out = self._fast_attention(qkv, positions, rotary, batch)
-            return linear(out.view(tokens, self.num_heads * self.head_dim), self.o_proj, True)
+            return linear(out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj, True)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
