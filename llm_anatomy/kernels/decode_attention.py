@@ -18,14 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import PDL, gdc_enter, prefetch_l2
+from .pdl import PDL, gdc_enter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tile and pipelining: the best of benchmarks/bench_h200.py's section attn at 32k context on the H200
 # (at 512 tokens all configs were within 10%). Any config is correct.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
-# Larger batches read enough of the cache to keep the memory bus busy by themselves. 0: never prefetch.
-PREFETCH_MAX_BATCH = 16
 
 
 @triton.jit
@@ -57,16 +55,13 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
 
 @triton.jit
 def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
-                  stride_qb, stride_qh, stride_tb, n_kv_heads, page_size, splits, next_ptr, next_bytes,
+                  stride_qb, stride_qh, stride_tb, n_kv_heads, page_size, splits,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                  IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+    gdc_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    # the next kernel's weights (o_proj), a share per program: short contexts leave the memory bus idle here
-    prefetch_l2(next_ptr, next_bytes, (b * n_kv_heads + kvh) * splits + s, tl.num_programs(0) * n_kv_heads * splits,
-                PREFETCH)
-    gdc_enter(USE_PDL)
     ctx = tl.load(ctx_ptr + b)
     per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
     start = s * per_split
@@ -131,7 +126,7 @@ def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            splits: int | None = None, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
-                           num_stages: int = NUM_STAGES, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           num_stages: int = NUM_STAGES) -> torch.Tensor:
     """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 (0 for a padded row, which then gets zeros) -> [B, H, D]."""
     batch, n_heads, head_dim = q.shape
@@ -139,14 +134,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = n_heads // n_kv_heads
     splits = splits or default_splits(batch, n_kv_heads, _sm_count(q.device))
     acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    do_prefetch = prefetch is not None and PDL.on and batch <= PREFETCH_MAX_BATCH
     ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
-        block_tables.stride(0), n_kv_heads, page_size, splits, prefetch if do_prefetch else q,
-        prefetch.numel() * prefetch.element_size() if do_prefetch else 0, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        block_tables.stride(0), n_kv_heads, page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET,
-        USE_PDL=PDL.on, PREFETCH=do_prefetch, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
+        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,
                                     SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim,

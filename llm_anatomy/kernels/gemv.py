@@ -14,11 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import PDL, gdc_enter, prefetch_l2
-
-# Bytes of its weight slice each program asks L2 for before its PDL wait, while the kernel before it (a norm,
-# the attention) still runs and the memory bus would idle. 0: none. Set before the CUDA graphs are captured.
-PREFETCH_BYTES = 64 * 1024
+from .pdl import PDL, gdc_enter
 
 # A small search: per shape, Triton times each once on the first call (about a second per shape).
 CONFIGS = [
@@ -41,17 +37,9 @@ def _dot(x, w, IEEE: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
                  K: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
-                 prefetch_bytes, ESIZE: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    slice_bytes = tl.minimum(BLOCK_N, N - pid * BLOCK_N) * stride_wn * ESIZE
-    if GATED:  # half of it from the gate rows, half from the up rows
-        prefetch_l2(w_ptr + pid * BLOCK_N * stride_wn, tl.minimum(slice_bytes, prefetch_bytes // 2), 0, 1, USE_PDL)
-        prefetch_l2(w_ptr + (N + pid * BLOCK_N) * stride_wn, tl.minimum(slice_bytes, prefetch_bytes // 2), 0, 1,
-                    USE_PDL)
-    else:
-        prefetch_l2(w_ptr + pid * BLOCK_N * stride_wn, tl.minimum(slice_bytes, prefetch_bytes), 0, 1, USE_PDL)
+                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     gdc_enter(USE_PDL)
+    pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_PAD)
     rk = tl.arange(0, BLOCK_K)
@@ -89,8 +77,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Te
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _gemv_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k, M_PAD=16,
-                       GATED=gated, IEEE=x.dtype == torch.float32, prefetch_bytes=PREFETCH_BYTES if PDL.on else 0,
-                       ESIZE=weight.element_size(), USE_PDL=PDL.on, launch_pdl=PDL.on)
+                       GATED=gated, IEEE=x.dtype == torch.float32, USE_PDL=PDL.on, launch_pdl=PDL.on)
     return y
 
 

@@ -36,29 +36,3 @@ def gdc_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-# Weights do not depend on the kernel before: a kernel may ask for them before its wait. The bulk prefetch
-# (Hopper's cp.async.bulk.prefetch.L2) has the memory system pull a range into L2 with no registers and no
-# waiting, so the loads after the wait find them there, and the memory bus does not idle while the kernel
-# before finishes. Pieces of PREFETCH_CHUNK bytes, one per lane.
-PREFETCH_CHUNK = tl.constexpr(4096)
-
-
-@triton.jit
-def prefetch_l2(base, nbytes, part, parts, ON: tl.constexpr, LANES: tl.constexpr = 128):
-    """Prefetch piece `part` of `parts` equal pieces of the bytes [base, base + nbytes) into L2 (a hint: it
-    changes no result). Off under the interpreter and before Hopper."""
-    if ON:
-        chunks = tl.cdiv(nbytes, PREFETCH_CHUNK)
-        per = tl.cdiv(chunks, parts)
-        first = part * per
-        last = tl.minimum(first + per, chunks)
-        raw = base.to(tl.pointer_type(tl.int8))
-        for c0 in range(first, last, LANES):
-            c = c0 + tl.arange(0, LANES)
-            off = c.to(tl.int64) * PREFETCH_CHUNK
-            size = tl.where(c < last, tl.minimum(nbytes - off, PREFETCH_CHUNK), 0).to(tl.int32) & ~15
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [raw + off, size], dtype=tl.int32, is_pure=False, pack=1)

@@ -139,8 +139,7 @@ class Attention(nn.Module, FastPath):
                                batch.slot_mapping, k_cache, v_cache)
         scale = self.head_dim ** -0.5
         if not batch.is_prefill:
-            return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
-                                          prefetch=self.o_proj.weight)
+            return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
         d = batch.num_decodes  # a mixed step (chunked prefill): its decodes first, on the decode kernel
         decoded = paged_decode_attention(q[:d], k_cache, v_cache, batch.block_tables[:d], batch.context_lens[:d],
                                          scale) if d else None
