@@ -28,7 +28,7 @@ from llm_anatomy.probe.call import CallRequest, measure_call  # noqa: E402
 from llm_anatomy.probe.ceilings import calibrate  # noqa: E402
 from llm_anatomy.probe.cost import decode_cost, prefill_cost  # noqa: E402
 
-ALL = ["env", "gemv", "attn", "correctness", "ours", "overhead", "kernels", "hf", "protocol", "pdl"]
+ALL = ["env", "correctness", "gemv", "attn", "ours", "overhead", "kernels", "hf", "protocol", "pdl"]
 QWEN_PROTOCOL_INPUTS = (1, 6144, 14336, 30720)
 # Published by Qwen (speed_benchmark.md), Qwen3-8B BF16 on one H20, batch 1, 2048 generated tokens: tok/s
 QWEN_PUBLISHED_H20 = {1: (81.73, 45.32), 6144: (296.25, 146.12), 14336: (524.70, 183.29), 30720: (832.67, 208.98)}
@@ -157,11 +157,14 @@ def section_attn(ctx) -> dict:
         table = torch.randperm(pages, device="cuda", dtype=torch.int32)[None]
         lens = torch.tensor([context], device="cuda", dtype=torch.int32)
         kv_bytes = 36 * 2 * context * kv_heads * d * 2
-        for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3), (64, 8, 4)):
+        variants = [(bn, w, st, None) for bn, w, st in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3),
+                                                        (64, 8, 4))]
+        variants += [(bn, 4, 2, splits) for bn in (64, 128) for splits in (66, 132)]  # None: default_splits (33)
+        for block_n, warps, stages, splits in variants:
             def run():
                 for k, v in caches:
                     paged_decode_attention(q, k, v, table, lens, d ** -0.5, block_n=block_n, num_warps=warps,
-                                           num_stages=stages)
+                                           num_stages=stages, splits=splits)
             try:
                 run()
                 sync()
@@ -169,11 +172,11 @@ def section_attn(ctx) -> dict:
                 with torch.cuda.graph(graph):
                     run()
                 ms = cuda_ms(graph.replay, iters=20)
-                out[f"ctx{context}_bn{block_n}_w{warps}_s{stages}"] = {"ms_36_layers": ms,
-                                                                         "tbps": kv_bytes / ms / 1e9}
+                out[f"ctx{context}_bn{block_n}_w{warps}_s{stages}_splits{splits or 'default'}"] = {
+                    "ms_36_layers": ms, "tbps": kv_bytes / ms / 1e9}
             except Exception as e:
-                out[f"ctx{context}_bn{block_n}_w{warps}_s{stages}"] = {"error": str(e)[:200]}
-        del caches
+                out[f"ctx{context}_bn{block_n}_w{warps}_s{stages}_splits{splits or 'default'}"] = {"error": str(e)[:200]}
+        caches = run = graph = None  # the last graph's pool holds the caches' memory until it goes
         torch.cuda.empty_cache()
     return out
 

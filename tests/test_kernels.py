@@ -94,6 +94,12 @@ def test_qk_norm_rope_store(norm, tokens):
     untouched[slots[stored]] = False
     assert flat_k[untouched].abs().sum() == 0 and flat_v[untouched].abs().sum() == 0  # nothing else written
 
+    # a prefill also gets every row's K and V back, contiguous, padded rows included
+    q2, k, v = qk_norm_rope_store(qkv, heads, kv_heads, d, qn.weight if norm else None, kn.weight if norm else None,
+                                  eps, rotary.cos, rotary.sin, positions, slots, k_cache, v_cache, kv_out=True)
+    assert torch.equal(q2, q) and rel(k, rk) < 1e-5 and torch.equal(v, rv)
+    assert torch.equal(k[stored], flat_k[slots[stored]])
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -149,3 +155,23 @@ def test_fast_path_model_equals_reference(save_tiny, budget, mixed):
     for fast_seq, ref_seq in zip(logits["fast"][2], logits["reference"][2]):
         for (lp, top), (ref_lp, ref_top) in zip(fast_seq, ref_seq, strict=True):
             assert lp == pytest.approx(ref_lp, abs=1e-4) and [t for t, _ in top] == [t for t, _ in ref_top]
+
+
+def test_fast_path_logit_bias_and_seeded_sampling(save_tiny):
+    """The sampler's device paths behind the fast path (on a GPU: graphs, lookahead): a logit bias decides every
+    token of one request and none of its neighbour's, and seeded sampling repeats itself."""
+    from llm_anatomy import Engine
+
+    directory, _ = save_tiny(num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2)
+    engine = Engine.from_pretrained(directory, fast_path=True, device=DEVICE, dtype=torch.float32, kv_cache_tokens=256,
+                                    block_size=4, max_num_seqs=4)
+    greedy = engine.generate_many([[4, 5, 6]], temperature=0, max_tokens=6, ignore_eos=True)[0].output_token_ids
+    biased = engine.sampling_params(temperature=0, max_tokens=6, ignore_eos=True, logit_bias=((7, 100.0),))
+    plain = engine.sampling_params(temperature=0, max_tokens=6, ignore_eos=True)
+    a, b = engine.add_request([4, 5, 6], biased), engine.add_request([4, 5, 6], plain)
+    while not (a.finished and b.finished):
+        engine.step()
+    assert a.output_token_ids == [7] * 6 and b.output_token_ids == greedy
+    seeded = [engine.generate_many([[1, 2]], temperature=1.0, max_tokens=8, ignore_eos=True, seed=3)[0].output_token_ids
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]

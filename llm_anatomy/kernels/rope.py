@@ -5,7 +5,8 @@ Each program takes one head of a block of tokens: query heads are normalised ove
 matching value heads. A decode step has a few tokens (one per sequence) and gets blocks of one; a prefill
 of thousands gets blocks of 32, so that a program moves 16 KB rather than 512 bytes (a program per token
 and head spent 372 us a layer on a 7.7k-token step, 7.7 % of it). A slot of -1 (a padded row of a
-CUDA-graph batch) stores nothing.
+CUDA-graph batch) stores nothing. A prefill also gets this step's K and V as contiguous tensors (kv_out), which
+its attention reads instead of gathering them back out of the cache.
 """
 
 import torch
@@ -18,10 +19,10 @@ MAX_BLOCK_T = 32
 
 
 @triton.jit
-def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
-                               pos_ptr, slot_ptr, tokens, stride_qkv, stride_qo, n_heads, n_kv_heads, eps,
-                               HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
-                               USE_PDL: tl.constexpr):
+def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_out_ptr, v_out_ptr, qn_ptr, kn_ptr,
+                               cos_ptr, sin_ptr, pos_ptr, slot_ptr, tokens, stride_qkv, stride_qo, n_heads, n_kv_heads,
+                               eps, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
+                               KV_OUT: tl.constexpr, USE_PDL: tl.constexpr):
     gdc_enter(USE_PDL)
     h = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
@@ -65,20 +66,30 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_
         tl.store(k_cache_ptr + dst + half + d[None, :], o2, mask=smask)
         full = tl.arange(0, HEAD_DIM)[None, :]
         v_src = qkv_ptr + t.to(tl.int64)[:, None] * stride_qkv + (n_heads + n_kv_heads) * HEAD_DIM + kv_h * HEAD_DIM
-        tl.store(v_cache_ptr + dst + full, tl.load(v_src + full, mask=smask, other=0.0), mask=smask)
+        v = tl.load(v_src + full, mask=tmask[:, None], other=0.0)
+        tl.store(v_cache_ptr + dst + full, v, mask=smask)
+        if KV_OUT:  # every row, padded ones too: [tokens, KVH, D]
+            row = t.to(tl.int64)[:, None] * (n_kv_heads * HEAD_DIM) + kv_h * HEAD_DIM
+            tl.store(k_out_ptr + row + d[None, :], o1, mask=tmask[:, None])
+            tl.store(k_out_ptr + row + half + d[None, :], o2, mask=tmask[:, None])
+            tl.store(v_out_ptr + row + full, v, mask=tmask[:, None])
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """qkv [tokens, (H + 2 KVH) x D] -> q [tokens, H, D]; K and V go into the layer's cache [slots..., KVH, D]."""
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, kv_out: bool = False):
+    """qkv [tokens, (H + 2 KVH) x D] -> q [tokens, H, D]; K and V go into the layer's cache [slots..., KVH, D].
+    With kv_out, returns (q, k, v), k and v [tokens, KVH, D] as stored."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(tokens, n_kv_heads, head_dim, dtype=k_cache.dtype, device=qkv.device) if kv_out else q
+    v = torch.empty_like(k) if kv_out else q
     has_norm = q_norm is not None
     block_t = min(MAX_BLOCK_T, triton.next_power_of_2(max(1, tokens // 64)))  # decode batches: blocks of 1
     _qk_norm_rope_store_kernel[(triton.cdiv(tokens, block_t), n_heads + n_kv_heads)](
-        qkv, q, k_cache, v_cache, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, positions,
-        slot_mapping, tokens, qkv.stride(0), q.stride(0), n_heads, n_kv_heads, eps, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, HAS_NORM=has_norm, USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=1 if block_t == 1 else 4)
-    return q
+        qkv, q, k_cache, v_cache, k, v, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin,
+        positions, slot_mapping, tokens, qkv.stride(0), q.stride(0), n_heads, n_kv_heads, eps, HEAD_DIM=head_dim,
+        BLOCK_T=block_t, HAS_NORM=has_norm, KV_OUT=kv_out, USE_PDL=PDL.on, launch_pdl=PDL.on,
+        num_warps=1 if block_t == 1 else 4)
+    return (q, k, v) if kv_out else q

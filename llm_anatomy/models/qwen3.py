@@ -132,22 +132,20 @@ class Attention(nn.Module, FastPath):
     def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch) -> torch.Tensor:
         """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel."""
         k_cache, v_cache = batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx]
-        q = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                               self.q_norm.weight if self.qk_norm else None,
-                               self.k_norm.weight if self.qk_norm else None,
-                               self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
-                               batch.slot_mapping, k_cache, v_cache)
+        out = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                 self.q_norm.weight if self.qk_norm else None,
+                                 self.k_norm.weight if self.qk_norm else None,
+                                 self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
+                                 batch.slot_mapping, k_cache, v_cache, kv_out=batch.is_prefill)
         scale = self.head_dim ** -0.5
         if not batch.is_prefill:
-            return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
+            return paged_decode_attention(out, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
+        q, k, v = out  # k, v: this step's keys and values, as stored
         d = batch.num_decodes  # a mixed step (chunked prefill): its decodes first, on the decode kernel
         decoded = paged_decode_attention(q[:d], k_cache, v_cache, batch.block_tables[:d], batch.context_lens[:d],
                                          scale) if d else None
         rest = batch.prefill_part() if d else batch
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k, v = flat_k[rest.slot_mapping], flat_v[rest.slot_mapping]  # this step's keys, as stored
-        prefilled = prefill_attention(q[d:], k, v, k_cache, v_cache, rest)
+        prefilled = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, rest)
         return prefilled if decoded is None else torch.cat([decoded, prefilled])
 
 

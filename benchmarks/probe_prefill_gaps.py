@@ -1,0 +1,130 @@
+"""Where a long prefill step's wall time goes that its kernels do not account for, on the H200.
+
+One engine step per prompt length under torch.profiler (host and device): the step's span, the sum of its
+kernels, and the device's idle gaps between them, the largest with the kernels around them and the host
+op that was running. Chrome traces go to --trace-dir for a closer look. Then the clocks under sustained load:
+ten 8192-token prefills back to back, and 8192^3 bf16 matmuls for about a second, each with NVML sampled at
+100 Hz, against the first milliseconds of the same matmuls (the burst rate `calibrate` measures).
+
+    python3 benchmarks/probe_prefill_gaps.py --lengths 2048,8192 --trace-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_h200 import prefill_ms, prompt_ids
+from llm_anatomy import Engine
+from llm_anatomy.probe.telemetry import GpuTelemetry
+
+
+def sampled(fn) -> tuple[object, dict]:
+    """fn() with NVML sampling around it: median SM clock and power, the throttle reasons seen."""
+    import statistics
+
+    telemetry = GpuTelemetry(torch.device("cuda"), hz=100)
+    telemetry.start()
+    time.sleep(0.3)  # the sampler process starts
+    result = fn()
+    samples = [s for s in telemetry.stop() if s.sm_mhz]
+    busy = samples[len(samples) // 4:]  # past the ramp-up
+    return result, {"sm_mhz_median": statistics.median(s.sm_mhz for s in busy),
+                    "power_w_median": statistics.median(s.power_mw for s in busy) / 1e3,
+                    "throttle": sorted({r for s in busy for r in s.throttle})}
+
+
+def sustained(engine: Engine) -> dict:
+    def prefills():
+        times = []
+        for r in range(10):
+            seq = engine.add_request(prompt_ids(8192, seed=20 + r), engine.sampling_params(temperature=0, max_tokens=1))
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            engine.step()
+            b.record()
+            b.synchronize()
+            assert seq.finished
+            times.append(a.elapsed_time(b))
+        return times
+
+    def matmuls():
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * 8192 ** 3
+        rates = []
+        for _ in range(12):  # 60 products a batch, about 0.1 s
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(60):
+                torch.mm(x, w)
+            b.record()
+            b.synchronize()
+            rates.append(60 * flops / a.elapsed_time(b) / 1e9)
+        return rates
+
+    torch.cuda.synchronize()
+    time.sleep(1.0)  # let the clocks recover
+    times, during_prefill = sampled(prefills)
+    time.sleep(1.0)
+    rates, during_matmul = sampled(matmuls)
+    return {"prefill_8192_ms": times, "prefill_clocks": during_prefill, "matmul_tflops_per_0.1s": rates,
+            "matmul_clocks": during_matmul}
+
+
+def gaps(prof, top: int = 12) -> dict:
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels)
+    idle, end = [], kernels[0].time_range.end
+    for before, after in zip(kernels, kernels[1:]):
+        if after.time_range.start > end:
+            t0, t1 = end, after.time_range.start
+            running = [h.name for h in host if h.time_range.start <= t1 <= h.time_range.end]
+            idle.append((t1 - t0, before.name[:60], after.name[:60], running[-4:]))
+        end = max(end, after.time_range.end)
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    idle.sort(key=lambda g: -g[0])
+    return {"kernels": len(kernels), "span_ms": span / 1e3, "kernel_ms": busy / 1e3,
+            "idle_ms": sum(g[0] for g in idle) / 1e3, "idle_count": len(idle),
+            "largest": [(round(g[0] / 1e3, 3), *g[1:]) for g in idle[:top]]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--trace-dir")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    engine = Engine.from_pretrained("Qwen/Qwen3-8B", device="cuda", weights="synthetic", kv_cache_tokens=40960)
+    out = {}
+    for n in map(int, args.lengths.split(",")):
+        ms = prefill_ms(engine, n)
+        seq = engine.add_request(prompt_ids(n, seed=9), engine.sampling_params(temperature=0, max_tokens=1))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+        assert seq.finished
+        out[n] = {"prefill_ms": ms, **gaps(prof)}
+        if args.trace_dir:
+            prof.export_chrome_trace(str(Path(args.trace_dir) / f"prefill_{n}.json"))
+    out["sustained"] = sustained(engine)
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    for n in map(int, args.lengths.split(",")):
+        r = out[n]
+        print(f"prefill {n}: {r['prefill_ms']:.2f} ms; profiled step: kernels {r['kernel_ms']:.2f} ms, device idle "
+              f"{r['idle_ms']:.2f} ms in {r['idle_count']} gaps, span {r['span_ms']:.2f} ms")
+    print(json.dumps(out["sustained"]))
+
+
+if __name__ == "__main__":
+    main()
