@@ -57,17 +57,6 @@ def linear(x: torch.Tensor, layer: nn.Linear, fast: bool) -> torch.Tensor:
     return layer(x)
 
 
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm", layer: nn.Linear,
-                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode on the fast path: (residual add +) RMSNorm + projection in one GEMV -> (y, new residual). The
-    norm's scale is applied after the product, so its rounding differs from HF's by bf16 rounding only."""
-    if residual is None:
-        y, residual = gemv.gemv(x, layer.weight, gated, norm=norm.weight, eps=norm.eps), x
-    else:
-        y, residual = gemv.gemv(x, layer.weight, gated, norm=norm.weight, eps=norm.eps, residual=residual)
-    return (y if layer.bias is None else y + layer.bias), residual
-
-
 class RMSNorm(nn.Module, FastPath):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -128,7 +117,8 @@ class Attention(nn.Module, FastPath):
         tokens = x.shape[0]
         qkv = linear(x, self.qkv_proj, self.fast)
         if self.fast:
-            return self.from_qkv(qkv, positions, rotary, batch)
+            out = self._fast_attention(qkv, positions, rotary, batch)
+            return linear(out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj, True)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -138,12 +128,6 @@ class Attention(nn.Module, FastPath):
         q, k = rotary(q, positions), rotary(k, positions)
         out = attend(q, k, v, self.layer_idx, batch)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
-
-    def from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                 batch: AttentionBatch) -> torch.Tensor:
-        """The fast path after the qkv projection: attention, then o_proj."""
-        out = self._fast_attention(qkv, positions, rotary, batch)
-        return linear(out.reshape(qkv.shape[0], self.num_heads * self.head_dim), self.o_proj, True)
 
     def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch) -> torch.Tensor:
         """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel."""
@@ -191,12 +175,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, residual, positions, rotary, batch):
-        attn, mlp = self.self_attn, self.mlp
-        if attn.fast and gemv.supports(x, attn.qkv_proj.weight):  # decode: each norm rides in the GEMV after it
-            qkv, residual = norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
-            x = attn.from_qkv(qkv, positions, rotary, batch)
-            act, residual = norm_linear(x, residual, self.post_attention_layernorm, mlp.gate_up_proj, gated=True)
-            return linear(act, mlp.down_proj, True), residual
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
