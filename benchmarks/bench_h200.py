@@ -327,13 +327,17 @@ def section_protocol(ctx) -> dict:
     from transformers import DynamicCache
 
     engine = make_engine(ctx, kv_cache_tokens=40960)
-    model = ctx.get("hf") or hf_model(engine, torch.bfloat16)
-    out = {}
+    ctx.pop("hf", None)  # this engine first, with no HF copy of the weights in memory: its peak is its own
+    torch.cuda.empty_cache()
+    ours = {}
     for n in QWEN_PROTOCOL_INPUTS:
         torch.cuda.reset_peak_memory_stats()
         r = timed_generate(engine, prompt_ids(n, 11), 2048)
-        ours = {"tok_s": (n + 2048) / r["total_s"], "seconds": r["total_s"],
-                "peak_mib_process": torch.cuda.max_memory_allocated() / 2**20}
+        ours[n] = {"tok_s": (n + 2048) / r["total_s"], "seconds": r["total_s"],
+                   "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+    model = hf_model(engine, torch.bfloat16)
+    out = {}
+    for n in QWEN_PROTOCOL_INPUTS:
         ids = torch.tensor([prompt_ids(n, 11)], device="cuda")
         with torch.inference_mode():
             sync()
@@ -351,7 +355,7 @@ def section_protocol(ctx) -> dict:
                 token.item()
                 steps.append(time.perf_counter() - t)
         hf_total = prefill_s + statistics.median(steps) * 2047
-        out[str(n)] = {"ours": ours, "hf_extrapolated": {"tok_s": (n + 2048) / hf_total, "prefill_s": prefill_s,
+        out[str(n)] = {"ours": ours[n], "hf_extrapolated": {"tok_s": (n + 2048) / hf_total, "prefill_s": prefill_s,
                                                          "decode_step_s_median": statistics.median(steps)},
                        "published_h20_sglang_tok_s": QWEN_PUBLISHED_H20[n][0],
                        "published_h20_transformers_tok_s": QWEN_PUBLISHED_H20[n][1]}
@@ -381,6 +385,45 @@ def section_kernels(ctx) -> dict:
     return out
 
 
+def render_tables(results: dict) -> str:
+    """The issue's table (each target: this engine, HF, their ratio, the floor and the fraction of it reached)
+    and Qwen's protocol beside its published figures, as markdown, from whichever sections ran."""
+    ours, hf, protocol = results.get("ours", {}), results.get("hf", {}), results.get("protocol", {})
+    hf_32k = protocol.get("30720", {}).get("hf_extrapolated", {}).get("decode_step_s_median")
+    rows = []
+    if "decode_ctx512" in ours:
+        rows += [("decode TPOT, context <= 512", 4.0, ours["decode_ctx512"]["tpot_ms"], hf.get("decode_step_ms_median"),
+                  ours["decode_ctx512"]["floor_ms"]),
+                 ("decode TPOT at 32k context", 5.0, ours["decode_ctx32k"]["tpot_ms"],
+                  hf_32k * 1e3 if hf_32k else None, ours["decode_ctx32k"]["floor_ms"]),
+                 ("prefill, 2048 tokens", 45.0, ours["prefill_2048_ms"], hf.get("prefill_2048_ms"),
+                  ours["prefill_2048_floor_ms"]),
+                 ("prefill, 8192 tokens", 200.0, ours["prefill_8192_ms"], hf.get("prefill_8192_ms"),
+                  ours["prefill_8192_floor_ms"]),
+                 ("TTFT, chat prompt (HF: a 128-token prefill alone)", 8.0, ours["ttft_chat_prompt"]["ttft_ms"],
+                  hf.get("prefill_128_ms"), None)]
+    fmt = lambda v, unit=" ms": "" if v is None else f"{v:.2f}{unit}"  # noqa: E731
+    lines = ["| target | goal | this engine | HF transformers | HF / this | floor | of the floor | met |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, goal, value, ref, floor in rows:
+        lines.append(f"| {name} | <= {goal:g} ms | {fmt(value)} | {fmt(ref)} | {fmt(ref and ref / value, 'x')} | "
+                     f"{fmt(floor)} | {'' if floor is None else f'{floor / value:.0%}'} | "
+                     f"{'yes' if value <= goal else 'no'} |")
+    overhead = results.get("overhead", {}).get("overhead")
+    if overhead is not None:
+        lines.append(f"| anatomy on vs off | <= 2 % of TPOT | {overhead:+.2%} | | | | | "
+                     f"{'yes' if overhead <= 0.02 else 'no'} |")
+    if protocol:
+        lines += ["", "Qwen's speed benchmark (batch 1, 2048 tokens generated; tok/s = (input + output) / time)", "",
+                  "| input | this engine | peak MiB | HF, this GPU (extrapolated) | SGLang, H20 (published) | "
+                  "Transformers, H20 (published) |", "|---|---|---|---|---|---|"]
+        for n, r in protocol.items():
+            peak = r["ours"].get("peak_mib", r["ours"].get("peak_mib_process"))
+            lines.append(f"| {n} | {r['ours']['tok_s']:.1f} | {peak:,.0f} | {r['hf_extrapolated']['tok_s']:.1f} | "
+                         f"{r['published_h20_sglang_tok_s']} | {r['published_h20_transformers_tok_s']} |")
+    return "\n".join(lines) if len(lines) > 2 else "(no section with a target ran)"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="Qwen/Qwen3-8B")
@@ -404,7 +447,9 @@ def main():
             Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     if "anatomy" in ctx and args.out:
         Path(args.out).with_name("anatomy_h200.json").write_text(ctx["anatomy"].to_json(indent=1))
-    print(json.dumps(results, indent=1, default=str))
+    if not args.out:
+        print(json.dumps(results, indent=1, default=str))
+    print(render_tables(results))
 
 
 if __name__ == "__main__":

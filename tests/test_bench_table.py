@@ -1,0 +1,37 @@
+"""The H200 benchmark's summary table, rendered from a results dict like the one it writes (no GPU needed)."""
+
+import importlib.util
+from pathlib import Path
+
+
+def load_bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_h200.py"
+    spec = importlib.util.spec_from_file_location("bench_h200", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_render_tables_targets_ratios_and_protocol():
+    bench = load_bench()
+    results = {
+        "ours": {"decode_ctx512": {"tpot_ms": 4.0, "floor_ms": 3.0}, "decode_ctx32k": {"tpot_ms": 6.0, "floor_ms": 4.5},
+                 "prefill_2048_ms": 50.0, "prefill_2048_floor_ms": 40.0, "prefill_8192_ms": 190.0,
+                 "prefill_8192_floor_ms": 171.0, "ttft_chat_prompt": {"ttft_ms": 9.0}},
+        "hf": {"decode_step_ms_median": 40.0, "prefill_128_ms": 30.0, "prefill_2048_ms": 75.0, "prefill_8192_ms": 285.0},
+        "overhead": {"overhead": 0.001},
+        "protocol": {"30720": {"ours": {"tok_s": 2400.0, "peak_mib": 24767.0},
+                               "hf_extrapolated": {"tok_s": 430.0, "decode_step_s_median": 0.036},
+                               "published_h20_sglang_tok_s": 832.67, "published_h20_transformers_tok_s": 208.98}},
+    }
+    lines = bench.render_tables(results).splitlines()
+    row = {line.split(" | ")[0].lstrip("| "): line for line in lines}
+    assert row["decode TPOT, context <= 512"].endswith("| 4.00 ms | 40.00 ms | 10.00x | 3.00 ms | 75% | yes |")
+    assert "| 36.00 ms | 6.00x |" in row["decode TPOT at 32k context"]  # HF's 32k step from the protocol run
+    assert row["decode TPOT at 32k context"].endswith("| no |")
+    assert row["prefill, 2048 tokens"].endswith("| 1.50x | 40.00 ms | 80% | no |")
+    assert row["prefill, 8192 tokens"].endswith("| yes |")
+    assert row["TTFT, chat prompt (HF: a 128-token prefill alone)"].endswith("| no |")
+    assert row["anatomy on vs off"].startswith("| anatomy on vs off | <= 2 % of TPOT | +0.10% |")
+    assert "| 30720 | 2400.0 | 24,767 | 430.0 | 832.67 | 208.98 |" in lines
+    assert bench.render_tables({}) == "(no section with a target ran)"
