@@ -222,3 +222,22 @@ def test_a_batched_request_gets_its_share_of_the_energy(tiny):
         share = energy["call_attributed"]
         assert 0 < share.joules < energy["call"].joules and share.per_token_j == pytest.approx(share.joules / 8)
         assert a.summary()["energy_j"] == share.joules
+
+
+@pytest.mark.parametrize("name,category", [
+    ("_qk_norm_rope_store_kernel", "rope"),  # fused QK-norm + RoPE + cache store: not an RMSNorm
+    ("_rmsnorm_kernel", "norm"),
+    ("_gemv_kernel", "gemm"),
+    ("_silu_mul_kernel", "activation"),
+    ("_decode_attention_split_kernel", "attention"),
+    ("_decode_attention_merge_kernel", "attention"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0",
+     "attention"),
+    ("void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*, int, long, long, long, long)", "copy"),
+    ("Memset (Device)", "copy"),
+])
+def test_kernel_categories(name, category):
+    from llm_anatomy.probe.kernels import categorize
+
+    assert categorize(name) == category

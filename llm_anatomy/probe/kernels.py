@@ -20,8 +20,8 @@ from ..engine.engine import Engine
 CATEGORIES = [
     ("attention", r"attention|attn|flash|fmha|sdpa|paged|cudnn|_scaled_dot_product|bmm_softmax"),
     ("sampling", r"argmax|topk|sort|exponential|cumsum|multinomial|sampl|gumbel"),
+    ("rope", r"rope|rotary|rotate|\bcos\b|\bsin\b"),  # before norm: the fused QK-norm + RoPE + store is rope's
     ("norm", r"rms|norm|rsqrt|pow_tensor|mean|reduce_kernel"),
-    ("rope", r"rope|rotary|rotate|\bcos\b|\bsin\b"),
     ("activation", r"silu|gelu|swiglu|act_and_mul"),
     ("gemm", r"gemm|gemv|cutlass|xmma|cublas|matmul|\bmm\b|addmm|linear|sm90|splitk|nvjet"),
     ("copy", r"copy|memcpy|memset|index|gather|scatter|\bcat\b|fill|embedding|cat_|unrolled_elementwise"),
