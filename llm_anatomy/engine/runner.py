@@ -22,6 +22,10 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # A short prompt's prefill launches ~400 kernels for a few ms of GPU work: replay it from a graph too
 # (one sequence, nothing cached yet; padded tokens sit after the real ones, so causality hides them).
 GRAPH_PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
+# Longer prefills run eagerly, and the QK-norm kernel takes bigger token blocks for them: a Triton compile per
+# block size. These lengths are forwarded once at start-up, storing nothing, so that the first long prompt's
+# prefill (and its anatomy) is not charged with the compiles.
+WARM_PREFILL_TOKENS = (1024, 2048)
 
 
 class ModelRunner:
@@ -119,7 +123,8 @@ class ModelRunner:
     @torch.inference_mode()
     def capture(self, max_batch: int, max_model_len: int) -> None:
         """Capture one decode graph per batch bucket up to max_batch (largest first, so smaller ones reuse
-        its memory). Warm-up runs before each capture compile and tune the kernels outside the graph."""
+        its memory), and the short prefills' graphs. Warm-up runs before each capture compile and tune the
+        kernels outside the graph; longer prefills are warmed up too (`capture_seconds` counts it all)."""
         start = time.perf_counter()
         sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch})
         self.max_graph_batch = sizes[-1]
@@ -148,6 +153,7 @@ class ModelRunner:
 
             self.graphs[b] = self._capture_one(forward)
         self._capture_prefill()
+        self.warm_up_prefills()
         torch.cuda.synchronize(dev)
         self.graph_bytes = torch.cuda.memory_allocated(dev) - before
         self.capture_seconds = time.perf_counter() - start
@@ -185,6 +191,18 @@ class ModelRunner:
                 return self.model.compute_logits(hidden[self.prefill_last])
 
             self.prefill_graphs[t] = self._capture_one(forward)
+
+    @torch.inference_mode()
+    def warm_up_prefills(self, lengths: tuple[int, ...] = WARM_PREFILL_TOKENS) -> None:
+        """Forward one prompt of each length eagerly, every slot -1 (nothing is stored in the KV pool)."""
+        dev, max_pos = self.device, self.model.config.max_position_embeddings
+        unused_tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        for t in lengths:
+            batch = AttentionBatch(self.pool.k, self.pool.v, torch.full((t,), -1, dtype=torch.int64, device=dev),
+                                   True, unused_tables, torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,))
+            hidden = self.model(torch.zeros(t, dtype=torch.int64, device=dev), torch.arange(t, device=dev) % max_pos,
+                                batch)
+            self.model.compute_logits(hidden[-1:])
 
     def _replay(self, seqs: list[Sequence], ahead_tokens: torch.Tensor | None) -> torch.Tensor:
         n = len(seqs)
