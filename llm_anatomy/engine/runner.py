@@ -43,8 +43,8 @@ class ModelRunner:
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """One host-to-device copy; on CUDA through a pinned buffer kept for the purpose (pinning a fresh
-        tensor took 2.7 ms on the H200), two per dtype used in turn, without blocking. A buffer's previous
-        copy has long finished when its turn comes again; its event makes sure."""
+        tensor each step took 2.7 ms in a profiled H200 step), two per dtype used in turn, without blocking.
+        A buffer's previous copy has long finished when its turn comes again; its event makes sure."""
         if self.device.type != "cuda":
             return host
         key = (host.dtype, self._upload_flip)
