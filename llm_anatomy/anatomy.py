@@ -262,6 +262,15 @@ class DeviceRecord:
 
 
 @dataclass
+class StartupRecord:
+    """What the process spent once, before its first call: not part of this call's timings."""
+    total_s: float  # Engine.from_pretrained: config, tokenizer, weights, KV pool, and what follows
+    compile_and_capture_s: float  # Triton compiles, GEMV tile tuning, CUDA-graph capture, prefill warm-up
+    cuda_graphs: int  # decode batch buckets and short-prefill lengths captured (0: eager, e.g. on the CPU)
+    programmatic_dependent_launch: bool
+
+
+@dataclass
 class Anatomy:
     model: ModelRecord
     weights: WeightsRecord
@@ -288,6 +297,7 @@ class Anatomy:
     host_ms: dict[str, float] = field(default_factory=dict)  # host work summed over the call's steps
     kernels: list[KernelBreakdown] = field(default_factory=list)
     batching: BatchingRecord | None = None
+    startup: StartupRecord | None = None
     notes: list[str] = field(default_factory=list)
     id: str = ""
     started_at_unix: float = 0.0

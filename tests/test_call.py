@@ -100,6 +100,28 @@ def test_json_record_has_the_documented_keys_and_round_trips(measured):
         Anatomy.from_dict({**d, "schema_version": "0.1"})
 
 
+def test_startup_is_recorded_apart_from_the_call(measured):
+    """The engine's one-time load is in the record and in both reports, and in none of the call's timings."""
+    from rich.console import Console
+
+    from llm_anatomy.report.html import render_html
+    from llm_anatomy.report.terminal import render
+
+    engine, _, a = measured
+    s = a.startup
+    assert s.total_s == engine.startup_seconds > 0
+    assert s.compile_and_capture_s == 0 and s.cuda_graphs == 0 and not s.programmatic_dependent_launch  # CPU: eager
+    assert "startup" not in {p.name for p in a.phases}  # a field of its own, not a phase of the call
+    line = f"{s.total_s:.1f} s once, before this call and not in its timings; eager, no CUDA graphs"
+    assert line in render_html(a)
+    console = Console(record=True, width=400)
+    render(a, console)
+    assert f"Start-up  {line}" in console.export_text()
+    direct = Engine(engine.model, engine.config, engine.tokenizer, engine.source, engine.weights, engine.device,
+                    engine.dtype, engine.defaults, kv_cache_tokens=64, block_size=4)
+    assert direct.startup_seconds is None
+
+
 def run_cli(capsys, *argv):
     code = main(list(argv))
     out, err = capsys.readouterr()

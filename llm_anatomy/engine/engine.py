@@ -113,6 +113,7 @@ class Engine:
                  max_num_batched_tokens: int | None = None, block_size: int = 16, seed: int | None = None,
                  fast_path: bool | None = None, cuda_graphs: bool = True, lookahead: bool | None = None,
                  pdl: bool = True, mixed_steps: bool = False):
+        self.startup_seconds: float | None = None  # set by from_pretrained: the whole load, capture included
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -174,6 +175,7 @@ class Engine:
     def from_pretrained(cls, name_or_path: str | os.PathLike = "Qwen/Qwen3-0.6B", device=None, dtype=None,
                         weights: str | os.PathLike = "auto", *, seed: int = 0, **engine_args) -> "Engine":
         """Load a model: `weights` is "auto" (real ones if found locally, else synthetic), "synthetic" or a directory."""
+        start = time.perf_counter()
         source = resolve(name_or_path)
         config = ModelConfig.from_hf(source.config)
         device = parse_device(device)
@@ -189,8 +191,10 @@ class Engine:
                             "energy are real; the text is not). For the real model: `hf download %s`, then "
                             "run again, or pass --weights DIR.", source.name, source.name)
             info = init_synthetic(model, seed)
-        return cls(model, config, tokenizer, source, info, device, dtype,
-                   GenerationDefaults.for_source(source, config), seed=seed, **engine_args)
+        engine = cls(model, config, tokenizer, source, info, device, dtype,
+                     GenerationDefaults.for_source(source, config), seed=seed, **engine_args)
+        engine.startup_seconds = time.perf_counter() - start
+        return engine
 
     @staticmethod
     def _weights_dir(source: ModelSource, weights) -> Path | None:

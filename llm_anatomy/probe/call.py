@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import __version__
-from ..anatomy import Anatomy, DeviceRecord, EnergyRecord, ModelRecord, Phase, WeightsRecord
+from ..anatomy import Anatomy, DeviceRecord, EnergyRecord, ModelRecord, Phase, StartupRecord, WeightsRecord
 from ..engine.engine import Engine, GenerationResult
 from ..anatomy import Ceilings
 from .ceilings import device_name
@@ -216,5 +216,14 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
                  "prepare_and_launch": sum(r.step.t_launched_ns - r.step.t_launch_ns for r in rec.steps) / 1e6,
                  "detokenize": detokenize_ms,
                  "all_step_work": sum(r.step.host_work_ns for r in rec.steps) / 1e6},
-        batching=batching, notes=notes,
+        batching=batching, startup=startup_record(engine), notes=notes,
     )
+
+
+def startup_record(engine: Engine) -> StartupRecord | None:
+    if engine.startup_seconds is None:  # an Engine built directly, not through from_pretrained
+        return None
+    runner = engine.runner
+    return StartupRecord(total_s=engine.startup_seconds, compile_and_capture_s=runner.capture_seconds,
+                         cuda_graphs=len(runner.graphs) + len(runner.prefill_graphs),
+                         programmatic_dependent_launch=engine.pdl)

@@ -13,3 +13,16 @@ def finite(x: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else None
+
+
+def startup_text(a) -> str | None:
+    """The engine's one-time start-up, as a line: a call on a fresh process waits for it first."""
+    s = getattr(a, "startup", None)
+    if s is None:
+        return None
+    if not s.cuda_graphs:
+        return f"{s.total_s:.1f} s once, before this call and not in its timings; eager, no CUDA graphs"
+    pdl = "on" if s.programmatic_dependent_launch else "off"
+    return (f"{s.total_s:.1f} s once, before this call and not in its timings, of which {s.compile_and_capture_s:.1f} s "
+            f"Triton compiles, GEMV tuning and the capture of {s.cuda_graphs} CUDA graphs (programmatic dependent "
+            f"launch {pdl})")

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 from markupsafe import Markup
 from plotly.offline import get_plotlyjs
 
-from llm_anatomy.report import finite
+from llm_anatomy.report import finite, startup_text
 from llm_anatomy.anatomy import Anatomy, GpuSample
 
 STEP_ROWS = 20  # the per-step table shows the first and last STEP_ROWS steps when there are more than 2x that
@@ -489,6 +489,7 @@ def _context(a: Anatomy) -> dict:
     kv = a.kv_cache
     return dict(
         a=a, when=when, device_line=device_line, software=software, synthetic=a.weights.kind == "synthetic",
+        startup=startup_text(a),
         cards=_headline(a), charts=charts, figures_json=Markup(script_json(fig_json)),
         chart_config=Markup(script_json(CHART_CONFIG)), plotlyjs=Markup(plotly_js()),
         census=census, census_total=_int(total), census_total_h=_bytes(total),
@@ -593,6 +594,7 @@ _TEMPLATE = r"""{% macro step_row(r) %}
     {% if software %}<span>{{ software }}</span>{% endif %}
     <span>device chosen: {{ a.device.why }}</span>
   </div>
+  {% if startup %}<div class="meta"><span>start-up: {{ startup }}</span></div>{% endif %}
 </div></header>
 {% if synthetic %}
 <div class="synthetic" id="synthetic-banner">SYNTHETIC WEIGHTS (random, not a trained checkpoint): the output text is meaningless; the timings, memory, bytes and FLOPs are those of the real model shape.</div>

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..anatomy import Anatomy, Roofline
+from . import startup_text
 
 
 def gb(n: float | None) -> str:
@@ -48,6 +49,9 @@ def render(a: Anatomy, console: Console | None = None) -> None:
     sheet = (f"; datasheet {ce.datasheet_gbps:.0f} GB/s, {ce.datasheet_tflops:.0f} TFLOP/s ({ce.datasheet_source})"
              if ce.datasheet_gbps else "; no datasheet entry for this device")
     header.add_row("Ceilings", measured + sheet)
+    startup = startup_text(a)
+    if startup:
+        header.add_row("Start-up", startup)
     out_n = len(a.output_token_ids)
     templ = "chat template" if a.request.get("messages") else "raw prompt"
     header.add_row("Request", f"{len(a.prompt_token_ids)} prompt tokens ({templ}) → {out_n} output tokens, "
