@@ -1,12 +1,13 @@
-"""The H200 benchmark's summary table, rendered from a results dict like the one it writes (no GPU needed)."""
+"""The H200 benchmark scripts' parts that need no GPU: the summary table, rendered from a results dict like the
+one bench_h200.py writes, and the split-K GEMV candidate's correctness (under Triton's interpreter)."""
 
 import importlib.util
 from pathlib import Path
 
 
-def load_bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_h200.py"
-    spec = importlib.util.spec_from_file_location("bench_h200", path)
+def load_bench(name: str = "bench_h200"):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -35,3 +36,19 @@ def test_render_tables_targets_ratios_and_protocol():
     assert row["anatomy on vs off"].startswith("| anatomy on vs off | <= 2 % of TPOT | +0.10% |")
     assert "| 30720 | 2400.0 | 24,767 | 430.0 | 832.67 | 208.98 |" in lines
     assert bench.render_tables({}) == "(no section with a target ran)"
+
+
+def test_splitk_gemv_candidate_is_exact_and_leaves_its_counters_at_zero():
+    import pytest
+    import torch
+
+    pytest.importorskip("triton")
+    from llm_anatomy.kernels import use_kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not use_kernels(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    probe = load_bench("probe_gemv_splitk")
+    errors = probe.check(device, torch.float32, {"small": (96, 1024)}, [(2, 16, 128, 3), (4, 32, 256, 3)])
+    assert max(errors.values()) < 1e-4, errors  # run twice each: a counter left non-zero would corrupt the second
+    assert all(int(c.abs().sum()) == 0 for c in probe._COUNTERS.values())
