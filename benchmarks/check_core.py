@@ -92,7 +92,7 @@ def main():
     # Prefill: all positions' logits, through the same paged path the engine uses.
     engine.step()
     pool_ = engine.pool
-    slots = torch.tensor(seq.block_table.slots(0, args.prefill), device=dev)
+    slots = seq.block_table.slots(0, args.prefill).to(dev)
     batch = AttentionBatch(pool_.k, pool_.v, slots, True,
                            torch.tensor([seq.block_table.blocks], dtype=torch.int32, device=dev),
                            torch.tensor([args.prefill], dtype=torch.int32, device=dev), (args.prefill,), (0,))

@@ -78,9 +78,15 @@ class BlockTable:
         self.pool.free(self.blocks)
         self.blocks = []
 
-    def slots(self, start: int, end: int) -> list[int]:
+    def slot(self, position: int) -> int:
         bs = self.pool.block_size
-        return [self.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+        return self.blocks[position // bs] * bs + position % bs
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """The flat slots of positions start..end-1, int64 (tensor ops: a long prompt has thousands)."""
+        bs = self.pool.block_size
+        positions = torch.arange(start, end)
+        return torch.tensor(self.blocks, dtype=torch.int64)[positions // bs] * bs + positions % bs
 
     @property
     def bytes(self) -> int:

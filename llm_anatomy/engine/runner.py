@@ -67,28 +67,25 @@ class ModelRunner:
 
         Positions and slots are computed with tensor ops (a long prompt's 8192 of each took milliseconds as
         Python lists, the device idle meanwhile), and all of the step's integers go up in two copies."""
-        bs = self.pool.block_size
+        seqs, width = len(batch.seqs), max(len(s.block_table.blocks) for s in batch.seqs)
+        ints = torch.zeros(seqs * (1 + width), dtype=torch.int32)  # context lengths, then the block tables
+        tables = ints[seqs:].view(seqs, width)  # padded with block 0, masked out by the context lengths
         input_ids, positions, slots, prefix_lens = [], [], [], []
-        for seq, n in zip(batch.seqs, batch.query_lens):
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.query_lens)):
             # ahead: the host has not yet counted the step before as cached; it forwards the newest token
             start = seq.num_tokens - 1 + ahead if ahead else seq.num_cached
             if not ahead:
                 input_ids += seq.token_ids(start, start + n)
-            pos = torch.arange(start, start + n)
-            positions.append(pos)
-            slots.append(torch.tensor(seq.block_table.blocks)[pos // bs] * bs + pos % bs)
+            positions.append(torch.arange(start, start + n))
+            slots.append(seq.block_table.slots(start, start + n))
             prefix_lens.append(start)
+            ints[row] = start + n
+            tables[row, :len(seq.block_table.blocks)] = torch.tensor(seq.block_table.blocks, dtype=torch.int32)
         tokens = sum(batch.query_lens)
         sampled = set(map(id, batch.sampled))
         ends = torch.tensor(batch.query_lens).cumsum(0) - 1
         last = ends[[i for i, s in enumerate(batch.seqs) if id(s) in sampled]]
         longs = torch.cat([torch.tensor(input_ids, dtype=torch.int64), *positions, *slots, last])
-        seqs, width = len(batch.seqs), max(len(s.block_table.blocks) for s in batch.seqs)
-        ints = torch.zeros(seqs * (1 + width), dtype=torch.int32)  # context lengths, then the block tables
-        ints[:seqs] = torch.tensor([p + n for p, n in zip(prefix_lens, batch.query_lens)], dtype=torch.int32)
-        tables = ints[seqs:].view(seqs, width)  # padded with block 0, masked out by the context lengths
-        for row, seq in enumerate(batch.seqs):
-            tables[row, :len(seq.block_table.blocks)] = torch.tensor(seq.block_table.blocks, dtype=torch.int32)
         self._upload_flip ^= 1
         longs, ints = self._upload(longs), self._upload(ints)
         n_ids = 0 if ahead else tokens
@@ -217,7 +214,7 @@ class ModelRunner:
             pos = seq.num_tokens - 1 + ahead
             stage[0, i] = seq.last_token
             stage[1, i] = pos
-            stage[2, i] = seq.block_table.slots(pos, pos + 1)[0]
+            stage[2, i] = seq.block_table.slot(pos)
             lens[i] = pos + 1
             self._sync_table_row(i, seq, tables)
         if ahead_tokens is None:
@@ -251,7 +248,7 @@ class ModelRunner:
         self._flip ^= 1
         stage[0, :n] = torch.tensor(seq.prompt_token_ids + seq.output_token_ids)
         stage[1, :n] = torch.arange(n)
-        stage[2, :n] = torch.tensor(seq.block_table.slots(0, n))
+        stage[2, :n] = seq.block_table.slots(0, n)
         stage[:2, n:t] = 0
         stage[2, n:t] = -1  # padded tokens store nothing
         stage[3, 0] = n - 1
