@@ -80,21 +80,22 @@ def timed_generate(engine: Engine, ids: list[int], new_tokens: int) -> dict:
             "tpot_ms": (total - (t1 - t0)) * 1e3 / max(1, len(steps)), "total_s": total, "steps": len(steps)}
 
 
+def one_prefill_ms(engine: Engine, n: int, seed: int) -> float:
+    """Device time of one engine step that prefills n fresh tokens (forward + last-token logits)."""
+    seq = engine.add_request(prompt_ids(n, seed=seed), engine.sampling_params(temperature=0, max_tokens=1))
+    sync()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    engine.step()
+    b.record()
+    b.synchronize()
+    assert seq.finished
+    return a.elapsed_time(b)
+
+
 def prefill_ms(engine: Engine, n: int, repeats: int = 3) -> float:
-    """Device time of a prefill of n fresh tokens (the engine's own step: forward + last-token logits)."""
-    times = []
-    for r in range(repeats + 1):
-        seq = engine.add_request(prompt_ids(n, seed=r), engine.sampling_params(temperature=0, max_tokens=1))
-        sync()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        engine.step()
-        b.record()
-        b.synchronize()
-        assert seq.finished
-        if r:
-            times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """The median of `repeats` prefills of n tokens, after one for warm-up."""
+    return statistics.median([one_prefill_ms(engine, n, seed=r) for r in range(repeats + 1)][1:])
 
 
 # ---- sections -------------------------------------------------------------------------------------------------

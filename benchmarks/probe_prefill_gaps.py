@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_h200 import prefill_ms, prompt_ids
+from bench_h200 import one_prefill_ms, prefill_ms, prompt_ids
 from llm_anatomy import Engine
 from llm_anatomy.probe.telemetry import GpuTelemetry
 
@@ -41,17 +41,7 @@ def sampled(fn) -> tuple[object, dict]:
 
 def sustained(engine: Engine) -> dict:
     def prefills():
-        times = []
-        for r in range(10):
-            seq = engine.add_request(prompt_ids(8192, seed=20 + r), engine.sampling_params(temperature=0, max_tokens=1))
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            engine.step()
-            b.record()
-            b.synchronize()
-            assert seq.finished
-            times.append(a.elapsed_time(b))
-        return times
+        return [one_prefill_ms(engine, 8192, seed=20 + r) for r in range(10)]
 
     def matmuls():
         x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
