@@ -263,3 +263,13 @@ def test_kernel_categories(name, category):
     from llm_anatomy.probe.kernels import categorize
 
     assert categorize(name) == category
+
+
+def test_cli_report_rejects_a_malformed_startup_record(measured, capsys, tmp_path):
+    _, _, a = measured
+    d = json.loads(a.to_json())
+    d["startup"] = {"total_s": 1.0}  # the other fields missing
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(d))
+    code, _, err = run_cli(capsys, "report", str(path))
+    assert code == 2 and "is not an Anatomy JSON" in err
