@@ -28,7 +28,7 @@ from llm_anatomy.probe.call import CallRequest, measure_call  # noqa: E402
 from llm_anatomy.probe.ceilings import calibrate  # noqa: E402
 from llm_anatomy.probe.cost import decode_cost, prefill_cost  # noqa: E402
 
-ALL = ["env", "correctness", "gemv", "attn", "ours", "overhead", "kernels", "hf", "protocol", "pdl", "norms"]
+ALL = ["env", "correctness", "gemv", "attn", "ours", "overhead", "kernels", "hf", "protocol", "pdl"]
 QWEN_PROTOCOL_INPUTS = (1, 6144, 14336, 30720)
 # Published by Qwen (speed_benchmark.md), Qwen3-8B BF16 on one H20, batch 1, 2048 generated tokens: tok/s
 QWEN_PUBLISHED_H20 = {1: (81.73, 45.32), 6144: (296.25, 146.12), 14336: (524.70, 183.29), 30720: (832.67, 208.98)}
@@ -372,27 +372,6 @@ def section_pdl(ctx) -> dict:
     timed_generate(engine, prompt_ids(128), 16)  # warm-up
     return {"decode_ctx512_no_pdl": timed_generate(engine, prompt_ids(384, 1), 128),
             "decode_ctx32k_no_pdl": timed_generate(engine, prompt_ids(32640, 2), 64)}
-
-
-def section_norms(ctx) -> dict:
-    """Decode with the RMSNorms inside the GEMVs (the default) against a kernel per norm, interleaved three times
-    on one engine; the decode graphs are captured again at each switch."""
-    engine = make_engine(ctx, kv_cache_tokens=40960)
-    out = {"fused": {"ctx512": [], "ctx32k": []}, "kernel_per_norm": {"ctx512": [], "ctx32k": []}}
-    try:
-        for _ in range(3):
-            for name, fused in (("fused", True), ("kernel_per_norm", False)):
-                engine.model.fuse_decode_norms = fused
-                engine.runner.capture(engine.max_num_seqs, engine.max_model_len)
-                timed_generate(engine, prompt_ids(128), 16)  # warm-up
-                out[name]["ctx512"].append(timed_generate(engine, prompt_ids(384, 1), 128)["tpot_ms"])
-                out[name]["ctx32k"].append(timed_generate(engine, prompt_ids(32640, 2), 32)["tpot_ms"])
-    finally:
-        engine.model.fuse_decode_norms = True
-        engine.runner.capture(engine.max_num_seqs, engine.max_model_len)
-    for name in ("fused", "kernel_per_norm"):
-        out[name]["median_ms"] = {k: statistics.median(out[name][k]) for k in ("ctx512", "ctx32k")}
-    return out
 
 
 def section_kernels(ctx) -> dict:

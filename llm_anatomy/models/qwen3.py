@@ -183,26 +183,6 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_forward(x, residual)
         return self.mlp(x), residual
 
-    def decode_forward(self, stream: torch.Tensor, squares: torch.Tensor, normed: torch.Tensor | None,
-                       positions, rotary, batch) -> None:
-        """A decode-sized step with no norm kernels (see kernels/gemv.py): each residual add happens in the
-        GEMV that writes the stream (o_proj, down, in place), each RMSNorm in the GEMV that reads it (qkv,
-        gate_up). `normed`: the input norm's output where a kernel computed it (the first layer)."""
-        attn, mlp = self.self_attn, self.mlp
-        if normed is None:
-            norm = self.input_layernorm
-            qkv = gemv.gemv(stream, attn.qkv_proj.weight, norm=norm.weight, eps=norm.eps, squares=squares)
-        else:
-            qkv = gemv.gemv(normed, attn.qkv_proj.weight)
-        if attn.qkv_proj.bias is not None:
-            qkv = qkv + attn.qkv_proj.bias
-        out = attn._fast_attention(qkv, positions, rotary, batch)
-        gemv.gemv(out.reshape(len(qkv), -1), attn.o_proj.weight, add_to=stream, squares=squares)
-        norm = self.post_attention_layernorm
-        act = gemv.gemv(stream, mlp.gate_up_proj.weight, gated=True, norm=norm.weight, eps=norm.eps,
-                        squares=squares)
-        gemv.gemv(act, mlp.down_proj.weight, add_to=stream, squares=squares)
-
 
 class Qwen3Model(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -221,32 +201,15 @@ class Qwen3ForCausalLM(nn.Module, FastPath):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Decode-sized steps on the fast path run their norms inside the GEMVs (off: a kernel per norm, for A/Bs).
-        self.fuse_decode_norms = True
-        self._squares: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """input_ids, positions: [tokens] (all sequences of the batch, concatenated) -> final hidden states."""
         x = self.model.embed_tokens(input_ids)
-        cfg = self.config
-        if self.fast and self.fuse_decode_norms and all(
-                gemv.fits(len(input_ids), k) for k in (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)):
-            return self._decode_forward(x, positions, batch)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, positions, self.rotary, batch)
         x, _ = self.model.norm.add_forward(x, residual)
         return x
-
-    def _decode_forward(self, stream: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """The fast path for a step of at most gemv.MAX_ROWS tokens: two norm kernels (the first layer's input,
-        the final norm) instead of one per norm; the embedding is the residual stream, updated in place."""
-        if self._squares is None or self._squares.device != stream.device:  # the first forward: never in a capture
-            self._squares = gemv.new_squares(self.config.hidden_size, stream.device)
-        normed = self.model.layers[0].input_layernorm(stream)
-        for i, layer in enumerate(self.model.layers):
-            layer.decode_forward(stream, self._squares, normed if i == 0 else None, positions, self.rotary, batch)
-        return self.model.norm(stream)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head, self.fast).float()
