@@ -126,13 +126,23 @@ def test_gemv(rows, dtype):
     assert rel(gemv(x, w, gated=True), silu_mul_reference(F.linear(x, w))) < TOL[dtype]
 
 
-@pytest.mark.parametrize("budget,mixed", [(None, False), (5, True)])
-def test_fast_path_model_equals_reference(save_tiny, budget, mixed):
+GEMV_SHAPES = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                   head_dim=32)  # every projection's K a multiple of 512: decode steps run on the GEMV kernel
+
+
+@pytest.mark.parametrize("budget,mixed,model_type,shapes", [
+    (None, False, "qwen3", {}), (5, True, "qwen3", {}), (None, False, "qwen3", GEMV_SHAPES),
+    (None, False, "qwen2", {k: v for k, v in GEMV_SHAPES.items() if k != "head_dim"})])
+def test_fast_path_model_equals_reference(save_tiny, budget, mixed, model_type, shapes):
     """The whole network on the fused-kernel path (prefill and paged decode) against the PyTorch path; with a
-    budget of 5 tokens a step, also in mixed steps (decodes on the decode kernel, prompt chunks beside them)."""
+    budget of 5 tokens a step, also in mixed steps (decodes on the decode kernel, prompt chunks beside them);
+    at shapes where decode runs on the GEMV kernel (SiLU*up inside gate_up's), Qwen3's and Qwen2's (qkv bias)."""
     from llm_anatomy import Engine
 
-    directory, _ = save_tiny(num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2)
+    overrides = {"num_attention_heads": 8, "num_key_value_heads": 2, "initializer_range": 0.2, **shapes}
+    if model_type == "qwen2":
+        overrides.pop("head_dim", None)
+    directory, _ = save_tiny(model_type, **overrides)
     kw = dict(device=DEVICE, dtype=torch.float32, kv_cache_tokens=256, block_size=4, max_num_seqs=4,
               max_num_batched_tokens=budget, mixed_steps=mixed)
     fast = Engine.from_pretrained(directory, fast_path=True, **kw)  # on a GPU, decode replays CUDA graphs
