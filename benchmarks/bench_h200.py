@@ -28,7 +28,7 @@ from llm_anatomy.probe.call import CallRequest, measure_call  # noqa: E402
 from llm_anatomy.probe.ceilings import calibrate  # noqa: E402
 from llm_anatomy.probe.cost import decode_cost, prefill_cost  # noqa: E402
 
-ALL = ["env", "correctness", "gemv", "attn", "ours", "overhead", "kernels", "hf", "protocol", "pdl"]
+ALL = ["env", "correctness", "gemv", "attn", "ours", "overhead", "kernels", "hf", "protocol", "pdl", "prefill_graphs"]
 QWEN_PROTOCOL_INPUTS = (1, 6144, 14336, 30720)
 # Published by Qwen (speed_benchmark.md), Qwen3-8B BF16 on one H20, batch 1, 2048 generated tokens: tok/s
 QWEN_PUBLISHED_H20 = {1: (81.73, 45.32), 6144: (296.25, 146.12), 14336: (524.70, 183.29), 30720: (832.67, 208.98)}
@@ -372,6 +372,26 @@ def section_pdl(ctx) -> dict:
     timed_generate(engine, prompt_ids(128), 16)  # warm-up
     return {"decode_ctx512_no_pdl": timed_generate(engine, prompt_ids(384, 1), 128),
             "decode_ctx32k_no_pdl": timed_generate(engine, prompt_ids(32640, 2), 64)}
+
+
+def section_prefill_graphs(ctx) -> dict:
+    """Prefill from a graph (padded up to its bucket) against the same prefill run eagerly (the graphs hidden),
+    at lengths that pad the most (1025: to 1152) and not at all (2048); and whether an eager prefill at a new
+    length pays a one-time cost (cuDNN building its attention plan): 3001 tokens twice, then 3002."""
+    engine = make_engine(ctx, kv_cache_tokens=40960)
+    runner = engine.runner
+    out = {}
+    for n in (1025, 1536, 2048):
+        graphed = prefill_ms(engine, n)
+        graphs, runner.prefill_graphs = runner.prefill_graphs, {}
+        try:
+            out[str(n)] = {"graph_ms": graphed, "eager_ms": prefill_ms(engine, n)}
+        finally:
+            runner.prefill_graphs = graphs
+    out["new_length_eager_ms"] = {"3001_first": one_prefill_ms(engine, 3001, 0),
+                                  "3001_again": one_prefill_ms(engine, 3001, 1),
+                                  "3002_first": one_prefill_ms(engine, 3002, 2)}
+    return out
 
 
 def section_kernels(ctx) -> dict:

@@ -173,3 +173,17 @@ def test_bad_engine_arguments(save_tiny, monkeypatch):
     monkeypatch.setattr(engine_module, "use_kernels", lambda device: False)
     with pytest.raises(AnatomyError, match="fast_path needs Triton and a CUDA device"):
         Engine.from_pretrained(directory, fast_path=True, kv_cache_tokens=64, **kw)
+
+
+def test_prefill_graph_buckets_cover_every_whole_prompt_with_bounded_padding():
+    """Every prompt the budget lets through whole has a bucket; above 512 tokens (where padding costs compute)
+    it pads by less than a quarter, and a 2048-token prompt not at all. Longer prompts run eagerly."""
+    from llm_anatomy.engine.runner import prefill_graph_sizes
+
+    assert prefill_graph_sizes(8192)[-1] == prefill_graph_sizes(2048)[-1] == 2048
+    assert prefill_graph_sizes(1000)[-1] == 1024 and prefill_graph_sizes(100) == [16, 32, 64, 128]
+    sizes = prefill_graph_sizes(2048)
+    for n in range(1, 2049):
+        bucket = min(t for t in sizes if t >= n)
+        assert n <= 512 or (bucket - n) / n < 0.25
+    assert 2048 in sizes

@@ -185,21 +185,3 @@ def test_fast_path_logit_bias_and_seeded_sampling(save_tiny):
     seeded = [engine.generate_many([[1, 2]], temperature=1.0, max_tokens=8, ignore_eos=True, seed=3)[0].output_token_ids
               for _ in range(2)]
     assert seeded[0] == seeded[1]
-
-
-def test_prefill_warm_up_stores_nothing(save_tiny):
-    """Start-up forwards long prefills to compile their kernels (on a GPU, at 1024 and 2048 tokens; shorter
-    here, for the interpreter's sake): nothing lands in the KV pool and generation is unchanged."""
-    from llm_anatomy import Engine
-
-    directory, _ = save_tiny(num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2)
-    engine = Engine.from_pretrained(directory, fast_path=True, device=DEVICE, dtype=torch.float32, kv_cache_tokens=256,
-                                    block_size=4, max_num_seqs=4)
-    first = engine.generate_many([[3, 1, 4, 1, 5]], temperature=0, max_tokens=5, ignore_eos=True)[0].output_token_ids
-    engine.pool.k.normal_()
-    engine.pool.v.normal_()
-    k, v = engine.pool.k.clone(), engine.pool.v.clone()
-    engine.runner.warm_up_prefills((64, 128))  # token blocks of 1 and 2
-    assert torch.equal(engine.pool.k, k) and torch.equal(engine.pool.v, v)
-    again = engine.generate_many([[3, 1, 4, 1, 5]], temperature=0, max_tokens=5, ignore_eos=True)[0].output_token_ids
-    assert again == first

@@ -130,6 +130,7 @@ class Engine:
             raise AnatomyError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         # Tokens forwarded per step: longer prompts are prefilled in chunks of this size.
         self.max_num_batched_tokens = max_num_batched_tokens or min(self.max_model_len, 8192)
+        self._whole_prompt_tokens = min(self.max_model_len, self.max_num_batched_tokens)  # longest unchunked
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         # The fused Triton kernels and decode CUDA graphs: on by default on CUDA; the PyTorch path elsewhere.
@@ -147,7 +148,7 @@ class Engine:
 
             self.pdl = enable_pdl(device, pdl)
             try:
-                self.runner.capture(max_num_seqs, self.max_model_len)
+                self.runner.capture(max_num_seqs, self.max_model_len, self._whole_prompt_tokens)
             except RuntimeError as e:  # a driver that cannot capture programmatic launches: without them
                 if not self.pdl:
                     raise
@@ -155,7 +156,7 @@ class Engine:
                             "without it", str(e).splitlines()[0])
                 self.pdl = enable_pdl(device, False)
                 self.runner = ModelRunner(model, self.pool, device)
-                self.runner.capture(max_num_seqs, self.max_model_len)
+                self.runner.capture(max_num_seqs, self.max_model_len, self._whole_prompt_tokens)
         self.sampler = Sampler(device, seed)
         if device.type == "cuda":
             self.sampler.warmup(config.vocab_size)

@@ -19,13 +19,19 @@ from .kv_cache import KVCachePool
 from .scheduler import ScheduledBatch, Sequence
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# A short prompt's prefill launches ~400 kernels for a few ms of GPU work: replay it from a graph too
-# (one sequence, nothing cached yet; padded tokens sit after the real ones, so causality hides them).
-GRAPH_PREFILL_TOKENS = (16, 32, 64, 128, 256, 512)
-# Longer prefills run eagerly, and the QK-norm kernel takes bigger token blocks for them: a Triton compile per
-# block size. These lengths are forwarded once at start-up, storing nothing, so that the first long prompt's
-# prefill (and its anatomy) is not charged with the compiles.
-WARM_PREFILL_TOKENS = (1024, 2048)
+# A prompt's prefill launches ~450 kernels; eagerly, the host falls behind the device for the first layers
+# (about 2 ms of idle device at 2048 tokens). So prompts up to 2048 tokens replay a graph (one sequence, nothing
+# cached yet; padded tokens sit after the real ones, so causality hides them). Up to 512 tokens the step reads
+# weights more than it computes and padding is nearly free; above, buckets every 128 tokens keep the padding
+# under 25 % (6 % at 2048). Capturing them also compiles the QK-norm kernel's token blocks for longer prompts.
+GRAPH_PREFILL_TOKENS = (16, 32, 64, 128, 256, 384, 512) + tuple(range(640, 2049, 128))
+
+
+
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """The prefill buckets a whole prompt of up to max_tokens can use: those below it and the first at or above."""
+    sizes = [t for t in GRAPH_PREFILL_TOKENS if t < max_tokens]
+    return sizes + [t for t in GRAPH_PREFILL_TOKENS if t >= max_tokens][:1]
 
 
 class ModelRunner:
@@ -108,7 +114,7 @@ class ModelRunner:
         if not batch.is_prefill and self.graphs and len(seqs) <= self.max_graph_batch:
             return self._replay(seqs, ahead_tokens)
         if batch.is_prefill and self.prefill_graphs and len(seqs) == 1 and seqs[0].num_cached == 0 \
-                and batch.query_lens[0] == seqs[0].num_tokens <= GRAPH_PREFILL_TOKENS[-1]:
+                and batch.query_lens[0] == seqs[0].num_tokens <= max(self.prefill_graphs):
             return self._replay_prefill(seqs[0])
         input_ids, positions, attn, last = self.prepare(batch, ahead=int(ahead_tokens is not None))
         if ahead_tokens is not None:
@@ -118,10 +124,10 @@ class ModelRunner:
 
     # ---- CUDA graphs for decode ------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self, max_batch: int, max_model_len: int) -> None:
+    def capture(self, max_batch: int, max_model_len: int, max_prefill_tokens: int) -> None:
         """Capture one decode graph per batch bucket up to max_batch (largest first, so smaller ones reuse
-        its memory), and the short prefills' graphs. Warm-up runs before each capture compile and tune the
-        kernels outside the graph; longer prefills are warmed up too (`capture_seconds` counts it all)."""
+        its memory), and the prefill graphs a whole prompt of up to max_prefill_tokens can replay. Warm-up runs
+        before each capture compile and tune the kernels outside the graph (`capture_seconds` counts it all)."""
         start = time.perf_counter()
         sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch})
         self.max_graph_batch = sizes[-1]
@@ -149,8 +155,7 @@ class ModelRunner:
                 return self.model.compute_logits(self.model(self.static_ids[:b], self.static_pos[:b], batch))
 
             self.graphs[b] = self._capture_one(forward)
-        self._capture_prefill()
-        self.warm_up_prefills()
+        self._capture_prefill(max_prefill_tokens)
         torch.cuda.synchronize(dev)
         self.graph_bytes = torch.cuda.memory_allocated(dev) - before
         self.capture_seconds = time.perf_counter() - start
@@ -171,15 +176,16 @@ class ModelRunner:
         self._mempool = self._mempool or graph.pool()
         return graph, out
 
-    def _capture_prefill(self) -> None:
-        n, dev = GRAPH_PREFILL_TOKENS[-1], self.device
+    def _capture_prefill(self, max_tokens: int) -> None:
+        sizes = prefill_graph_sizes(max_tokens)
+        n, dev = sizes[-1], self.device
         self.prefill_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.prefill_pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.prefill_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.prefill_last = torch.zeros(1, dtype=torch.int64, device=dev)
         self._prefill_stage = torch.zeros(2, 4, n, dtype=torch.int64).pin_memory()  # ids, pos, slots, last
         unused_tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
-        for t in reversed(GRAPH_PREFILL_TOKENS):
+        for t in reversed(sizes):
             batch = AttentionBatch(self.pool.k, self.pool.v, self.prefill_slots[:t], True, unused_tables,
                                    torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,))
 
@@ -188,18 +194,6 @@ class ModelRunner:
                 return self.model.compute_logits(hidden[self.prefill_last])
 
             self.prefill_graphs[t] = self._capture_one(forward)
-
-    @torch.inference_mode()
-    def warm_up_prefills(self, lengths: tuple[int, ...] = WARM_PREFILL_TOKENS) -> None:
-        """Forward one prompt of each length eagerly, every slot -1 (nothing is stored in the KV pool)."""
-        dev, max_pos = self.device, self.model.config.max_position_embeddings
-        unused_tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
-        for t in lengths:
-            batch = AttentionBatch(self.pool.k, self.pool.v, torch.full((t,), -1, dtype=torch.int64, device=dev),
-                                   True, unused_tables, torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,))
-            hidden = self.model(torch.zeros(t, dtype=torch.int64, device=dev), torch.arange(t, device=dev) % max_pos,
-                                batch)
-            self.model.compute_logits(hidden[-1:])
 
     def _replay(self, seqs: list[Sequence], ahead_tokens: torch.Tensor | None) -> torch.Tensor:
         n = len(seqs)
@@ -243,7 +237,7 @@ class ModelRunner:
 
     def _replay_prefill(self, seq: Sequence) -> torch.Tensor:
         n = seq.num_tokens
-        t = next(size for size in GRAPH_PREFILL_TOKENS if size >= n)
+        t = min(size for size in self.prefill_graphs if size >= n)
         stage = self._prefill_stage[self._flip]
         self._flip ^= 1
         stage[0, :n] = torch.tensor(seq.prompt_token_ids + seq.output_token_ids)
