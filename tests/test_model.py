@@ -169,3 +169,26 @@ def test_logprobs_are_the_models(save_tiny, lookahead):
     assert plain.logprobs is None and plain.output_token_ids == out.output_token_ids
     only = engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
     assert all(top == [] for _, top in only.logprobs)
+
+
+def test_prefill_attention_at_its_bucket_length_equals_unpadded():
+    """On the GPU each fresh prompt's attention runs padded to its bucket (cuDNN builds a plan per length):
+    padded tokens come after the real ones, so the real tokens' outputs are unchanged, one prompt or several."""
+    from llm_anatomy.models.attention import _prefill_attention, prefill_bucket
+
+    g = torch.Generator().manual_seed(0)
+    lens = (37, 130)
+    q = torch.randn(sum(lens), 8, 16, generator=g)
+    k, v = torch.randn(2, sum(lens), 2, 16, generator=g)
+    unused = torch.zeros(1)
+    for query_lens in ((37,), lens):
+        tokens = sum(query_lens)
+        batch = AttentionBatch(unused, unused, torch.arange(tokens), True, torch.zeros(len(query_lens), 1),
+                               torch.tensor(query_lens), query_lens, (0,) * len(query_lens))
+        args = (q[:tokens], k[:tokens], v[:tokens], unused, unused, batch)
+        padded, plain = _prefill_attention(*args, pad=True), _prefill_attention(*args, pad=False)
+        assert padded.shape == plain.shape == (tokens, 8, 16)
+        torch.testing.assert_close(padded, plain)
+    assert [prefill_bucket(n) for n in (1, 17, 512, 513, 2048, 2049, 3001, 4097, 8192)] == \
+        [16, 32, 512, 640, 2048, 2560, 3072, 5120, 8192]
+    assert all(n <= prefill_bucket(n) < 1.25 * n for n in range(513, 20000))

@@ -13,18 +13,17 @@ import time
 
 import torch
 
-from ..models.attention import AttentionBatch
+from ..models.attention import AttentionBatch, prefill_attention, prefill_bucket
 from ..models.qwen3 import Qwen3ForCausalLM
 from .kv_cache import KVCachePool
 from .scheduler import ScheduledBatch, Sequence
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# A prompt's prefill launches ~450 kernels; eagerly, the host falls behind the device for the first layers
-# (about 2 ms of idle device at 2048 tokens). So prompts up to 2048 tokens replay a graph (one sequence, nothing
-# cached yet; padded tokens sit after the real ones, so causality hides them). Up to 512 tokens the step reads
-# weights more than it computes and padding is nearly free; above, buckets every 128 tokens keep the padding
-# under 25 % (6 % at 2048). Capturing them also compiles the QK-norm kernel's token blocks for longer prompts.
-GRAPH_PREFILL_TOKENS = (16, 32, 64, 128, 256, 384, 512) + tuple(range(640, 2049, 128))
+# A prompt's prefill launches ~450 kernels, and eagerly the host falls behind the device in the first layers.
+# So a whole prompt of up to 2048 tokens replays a graph of its attention bucket's length (one sequence,
+# nothing cached yet; padded tokens sit after the real ones, so causality hides them). Capturing them also
+# compiles the QK-norm kernel's token blocks and builds cuDNN's attention plans for these lengths.
+GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, 2049)}))
 
 
 
@@ -156,6 +155,7 @@ class ModelRunner:
 
             self.graphs[b] = self._capture_one(forward)
         self._capture_prefill(max_prefill_tokens)
+        self._build_attention_plans(max_prefill_tokens)
         torch.cuda.synchronize(dev)
         self.graph_bytes = torch.cuda.memory_allocated(dev) - before
         self.capture_seconds = time.perf_counter() - start
@@ -194,6 +194,20 @@ class ModelRunner:
                 return self.model.compute_logits(hidden[self.prefill_last])
 
             self.prefill_graphs[t] = self._capture_one(forward)
+
+    def _build_attention_plans(self, max_tokens: int) -> None:
+        """Attention once at each eager bucket length above the graphs' up to max_tokens, so that cuDNN builds
+        its plans now rather than in the first prompt of that length."""
+        cfg, dev, dtype = self.model.config, self.device, self.pool.k.dtype
+        t = prefill_bucket(GRAPH_PREFILL_TOKENS[-1] + 1)
+        while t <= prefill_bucket(max_tokens):
+            q = torch.zeros(t, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=dev)
+            k = torch.zeros(t, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
+            batch = AttentionBatch(self.pool.k, self.pool.v, torch.full((t,), -1, dtype=torch.int64, device=dev),
+                                   True, torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                                   torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,))
+            prefill_attention(q, k, torch.zeros_like(k), self.pool.k[0], self.pool.v[0], batch)
+            t = prefill_bucket(t + 1)
 
     def _replay(self, seqs: list[Sequence], ahead_tokens: torch.Tensor | None) -> torch.Tensor:
         n = len(seqs)

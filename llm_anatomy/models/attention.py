@@ -70,19 +70,40 @@ GPU_PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, 
 def prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
     if q.is_cuda:
         with sdpa_kernel(GPU_PREFILL_BACKENDS, set_priority=True):
-            return _prefill_attention(q, k, v, k_cache, v_cache, batch)
-    return _prefill_attention(q, k, v, k_cache, v_cache, batch)
+            return _prefill_attention(q, k, v, k_cache, v_cache, batch, pad=True)
+    return _prefill_attention(q, k, v, k_cache, v_cache, batch, pad=False)
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
+def prefill_bucket(n: int) -> int:
+    """The length a fresh prompt's attention runs at on the GPU. cuDNN builds a plan for each new length
+    (about 0.4 s on an H200, benchmarks/RESULTS.md), so lengths are bucketed and the plans built at start-up:
+    powers of two up to 512 (there the step reads weights more than it computes), multiples of 128 up to 2048,
+    then four buckets per doubling. Padded tokens sit after the real ones, so causality hides them."""
+    if n <= 512:
+        return max(16, 1 << (n - 1).bit_length())
+    step = 128 if n <= 2048 else 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if len(x) == rows:
+        return x
+    out = x.new_empty(rows, *x.shape[1:])
+    out[:len(x)] = x
+    out[len(x):] = 0
+    return out
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, pad: bool) -> torch.Tensor:
+    """pad: run each fresh prompt's attention at its bucket's length (see prefill_bucket)."""
     out = torch.empty_like(q) if len(batch.query_lens) > 1 else None
     start = 0
     for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
         qi = q[start:start + n].transpose(0, 1).unsqueeze(0)
         if prefix == 0:  # the whole context is new: plain causal attention over the fresh k, v
-            ki = k[start:start + n].transpose(0, 1).unsqueeze(0)
-            vi = v[start:start + n].transpose(0, 1).unsqueeze(0)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+            rows = prefill_bucket(n) if pad else n
+            qi, ki, vi = (_padded(x[start:start + n], rows).transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)[:, :, :n]
         else:  # new tokens after a cached prefix: attend to all of it, causal from the prefix's end
             total = prefix + n
             ki = gather_context(k_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
