@@ -29,9 +29,12 @@ def main() -> None:
     args = parser.parse_args()
     ctx = {"model": "Qwen/Qwen3-8B"}
     engine = make_engine(ctx, kv_cache_tokens=40960)
+    print(f"load {ctx['engine_load_s']:.1f} s, of which compile, capture and warm-up "
+          f"{engine.runner.capture_seconds:.1f} s", flush=True)
     engine.runner.prefill_graphs = {}  # every prefill eager
     lengths = [int(n) for n in args.lengths.split(",")]
-    out = {"eager_ms": [(n, one_prefill_ms(engine, n, seed)) for seed, n in enumerate(lengths)]}
+    out = {"load_s": ctx["engine_load_s"], "capture_s": engine.runner.capture_seconds,
+           "eager_ms": [(n, one_prefill_ms(engine, n, seed)) for seed, n in enumerate(lengths)]}
     print(out, flush=True)
     if not args.profile:
         if args.out:
