@@ -25,6 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--lengths", default="1025,1025,1025,1100,1100,3001,3001,3002,1025")
+    parser.add_argument("--gc-freeze", action="store_true", help="collect, then freeze the heap before timing")
     parser.add_argument("--profile", action="store_true", help="also profile a new length and a repeated one")
     args = parser.parse_args()
     ctx = {"model": "Qwen/Qwen3-8B"}
@@ -32,6 +33,14 @@ def main() -> None:
     print(f"load {ctx['engine_load_s']:.1f} s, of which compile, capture and warm-up "
           f"{engine.runner.capture_seconds:.1f} s", flush=True)
     engine.runner.prefill_graphs = {}  # every prefill eager
+    if args.gc_freeze:  # is the one-time cost Python's collector walking the start-up heap?
+        import gc
+        import time
+
+        t = time.perf_counter()
+        gc.collect()
+        print(f"gc.collect {1e3 * (time.perf_counter() - t):.0f} ms, {len(gc.get_objects())} objects", flush=True)
+        gc.freeze()
     lengths = [int(n) for n in args.lengths.split(",")]
     out = {"load_s": ctx["engine_load_s"], "capture_s": engine.runner.capture_seconds,
            "eager_ms": [(n, one_prefill_ms(engine, n, seed)) for seed, n in enumerate(lengths)]}
