@@ -186,20 +186,3 @@ def test_fast_path_logit_bias_and_seeded_sampling(save_tiny):
               for _ in range(2)]
     assert seeded[0] == seeded[1]
 
-
-def test_start_up_prefill_warm_up_stores_nothing(save_tiny):
-    """Start-up forwards eager prompts on the fast path (building cuDNN's plans and cuBLAS's kernels before any
-    call): nothing lands in the KV pool and generation is unchanged."""
-    from llm_anatomy import Engine
-
-    directory, _ = save_tiny(num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2)
-    engine = Engine.from_pretrained(directory, fast_path=True, device=DEVICE, dtype=torch.float32, kv_cache_tokens=256,
-                                    block_size=4, max_num_seqs=4)
-    first = engine.generate_many([[3, 1, 4, 1, 5]], temperature=0, max_tokens=5, ignore_eos=True)[0].output_token_ids
-    engine.pool.k.normal_()
-    engine.pool.v.normal_()
-    k, v = engine.pool.k.clone(), engine.pool.v.clone()
-    engine.runner._warm_eager_prefills(100, lengths=(70, 90))  # (on a GPU: 1025... and the buckets above 2048)
-    assert torch.equal(engine.pool.k, k) and torch.equal(engine.pool.v, v)
-    again = engine.generate_many([[3, 1, 4, 1, 5]], temperature=0, max_tokens=5, ignore_eos=True)[0].output_token_ids
-    assert again == first

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..models.attention import AttentionBatch, prefill_bucket
+from ..models.attention import AttentionBatch, prefill_attention, prefill_bucket
 from ..models.qwen3 import Qwen3ForCausalLM
 from .kv_cache import KVCachePool
 from .scheduler import ScheduledBatch, Sequence
@@ -24,9 +24,6 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # nothing cached yet; padded tokens sit after the real ones, so causality hides them). Capturing them also
 # compiles the QK-norm kernel's token blocks and builds cuDNN's attention plans for these lengths.
 GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, 2049)}))
-# Eager prompt lengths whose first prefill cost 0.45-0.58 s on the H200 after the graphs were captured
-# (cuBLAS's first use of other GEMM kernels; results/2026-11-29_probe_new_length2.json). Warmed at start-up.
-EAGER_WARM_TOKENS = (1025, 1030, 1100, 3001)
 
 
 
@@ -158,7 +155,7 @@ class ModelRunner:
 
             self.graphs[b] = self._capture_one(forward)
         self._capture_prefill(max_prefill_tokens)
-        self._warm_eager_prefills(max_prefill_tokens)
+        self._build_attention_plans(max_prefill_tokens)
         torch.cuda.synchronize(dev)
         self.graph_bytes = torch.cuda.memory_allocated(dev) - before
         self.capture_seconds = time.perf_counter() - start
@@ -198,24 +195,19 @@ class ModelRunner:
 
             self.prefill_graphs[t] = self._capture_one(forward)
 
-    def _warm_eager_prefills(self, max_tokens: int, lengths: tuple[int, ...] = ()) -> None:
-        """Forward one prompt (storing nothing) at each eager attention bucket above the graphs' up to max_tokens,
-        and at a few lengths where cuBLAS picks GEMM kernels the buckets do not use. Each costs 0.4-0.6 s the
-        first time on the H200: cuDNN building its attention plan, cuBLAS its kernels (after the first few,
-        other lengths cost nothing more; benchmarks/RESULTS.md). Paid here, at start-up, not in a call."""
-        lengths = set(lengths or EAGER_WARM_TOKENS)
+    def _build_attention_plans(self, max_tokens: int) -> None:
+        """Attention once at each eager bucket length above the graphs' up to max_tokens, so that cuDNN builds
+        its plans now rather than in the first prompt of that length."""
+        cfg, dev, dtype = self.model.config, self.device, self.pool.k.dtype
         t = prefill_bucket(GRAPH_PREFILL_TOKENS[-1] + 1)
         while t <= prefill_bucket(max_tokens):
-            lengths.add(t)
-            t = prefill_bucket(t + 1)
-        dev, max_pos = self.device, self.model.config.max_position_embeddings
-        for t in sorted(n for n in lengths if n <= max_tokens):
-            ints = torch.tensor([t, 0], dtype=torch.int32, device=dev)  # context length, a 1x1 block table
+            q = torch.zeros(t, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=dev)
+            k = torch.zeros(t, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
             batch = AttentionBatch(self.pool.k, self.pool.v, torch.full((t,), -1, dtype=torch.int64, device=dev),
-                                   True, ints[1:].view(1, 1), ints[:1], (t,), (0,))
-            hidden = self.model(torch.zeros(t, dtype=torch.int64, device=dev), torch.arange(t, device=dev) % max_pos,
-                                batch)
-            self.model.compute_logits(hidden[-1:])
+                                   True, torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                                   torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,))
+            prefill_attention(q, k, torch.zeros_like(k), self.pool.k[0], self.pool.v[0], batch)
+            t = prefill_bucket(t + 1)
 
     def _replay(self, seqs: list[Sequence], ahead_tokens: torch.Tensor | None) -> torch.Tensor:
         n = len(seqs)
