@@ -187,4 +187,3 @@ def test_prefill_graph_buckets_cover_every_whole_prompt_with_bounded_padding():
         bucket = min(t for t in sizes if t >= n)
         assert n <= 512 or (bucket - n) / n < 0.25
     assert 2048 in sizes
-

@@ -185,4 +185,3 @@ def test_fast_path_logit_bias_and_seeded_sampling(save_tiny):
     seeded = [engine.generate_many([[1, 2]], temperature=1.0, max_tokens=8, ignore_eos=True, seed=3)[0].output_token_ids
               for _ in range(2)]
     assert seeded[0] == seeded[1]
-
