@@ -4,6 +4,7 @@ call), calibrate (this device's ceilings), report (re-render a saved anatomy).""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -172,6 +173,7 @@ def cmd_call(args) -> int:
     engine = Engine.from_pretrained(model, device=device, dtype=args.dtype, weights=args.weights,
                                     kv_cache_tokens=kv_tokens)
     ceilings = datasheet_ceilings(device) if args.no_calibrate else load_or_calibrate(device, quick=True)
+    settle_heap()
     request = CallRequest(messages=messages, prompt=prompt_text if messages is None else None,
                           enable_thinking=not args.no_thinking, sampling=sampling)
     result, anatomy = measure_call(engine, request, ceilings, device_why=why, use_telemetry=not args.no_telemetry)
@@ -202,6 +204,14 @@ def _write_outputs(anatomy, args) -> None:
     for what in ("json", "html", "trace"):
         if getattr(args, what, None):
             print(f"wrote {what}: {getattr(args, what)}", file=sys.stderr)
+
+
+def settle_heap() -> None:
+    """After start-up: collect once, then exempt everything alive from later collections. A full collection
+    walks the ~300k objects start-up leaves (weights' modules, tokenizer, Triton's caches): 221 ms on the H200
+    host (benchmarks/results/2026-11-29_probe_new_length4.json), a pause that would otherwise land in some step."""
+    gc.collect()
+    gc.freeze()
 
 
 def cmd_serve(args) -> int:
@@ -235,6 +245,7 @@ def cmd_serve(args) -> int:
                                     mixed_steps=args.mixed_steps,
                                     gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
     ceilings = datasheet_ceilings(device) if args.no_calibrate else load_or_calibrate(device, quick=True)
+    settle_heap()
     names = tuple(args.served_model_name) or (engine.source.name,)
     print(f"llm-anatomy: serving {names[0]} ({engine.weights.label}) on http://{args.host}:{args.port}/v1 "
           f"- KV pool {engine.pool.capacity_tokens} tokens, anatomies in {args.run_dir}", file=sys.stderr, flush=True)
