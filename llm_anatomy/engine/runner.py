@@ -26,7 +26,6 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, 2049)}))
 
 
-
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
     """The prefill buckets a whole prompt of up to max_tokens can use: those below it and the first at or above."""
     sizes = [t for t in GRAPH_PREFILL_TOKENS if t < max_tokens]
