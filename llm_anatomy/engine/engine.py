@@ -235,9 +235,7 @@ class Engine:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        batch = AttentionBatch(pool.k, pool.v, torch.arange(tokens, device=self.device), True,
-                               torch.arange(pool.num_blocks, device=self.device, dtype=torch.int32)[None],
-                               torch.tensor([tokens], device=self.device, dtype=torch.int32), (tokens,), (0,))
+        batch = AttentionBatch.fresh_prompt(pool.k, pool.v, torch.arange(tokens, device=self.device))
         ids = torch.randint(0, self.config.vocab_size, (tokens,), device=self.device)
         hidden = self.model(ids, torch.arange(tokens, device=self.device), batch)
         self.model.compute_logits(hidden[-1:])

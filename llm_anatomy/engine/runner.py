@@ -183,10 +183,8 @@ class ModelRunner:
         self.prefill_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.prefill_last = torch.zeros(1, dtype=torch.int64, device=dev)
         self._prefill_stage = torch.zeros(2, 4, n, dtype=torch.int64).pin_memory()  # ids, pos, slots, last
-        unused_tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         for t in reversed(sizes):
-            batch = AttentionBatch(self.pool.k, self.pool.v, self.prefill_slots[:t], True, unused_tables,
-                                   torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,))
+            batch = AttentionBatch.fresh_prompt(self.pool.k, self.pool.v, self.prefill_slots[:t])
 
             def forward(t=t, batch=batch):
                 hidden = self.model(self.prefill_ids[:t], self.prefill_pos[:t], batch)
@@ -202,9 +200,8 @@ class ModelRunner:
         while t <= prefill_bucket(max_tokens):
             q = torch.zeros(t, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=dev)
             k = torch.zeros(t, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
-            batch = AttentionBatch(self.pool.k, self.pool.v, torch.full((t,), -1, dtype=torch.int64, device=dev),
-                                   True, torch.zeros(1, 1, dtype=torch.int32, device=dev),
-                                   torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,))
+            batch = AttentionBatch.fresh_prompt(self.pool.k, self.pool.v,
+                                                torch.full((t,), -1, dtype=torch.int64, device=dev))
             prefill_attention(q, k, torch.zeros_like(k), self.pool.k[0], self.pool.v[0], batch)
             t = prefill_bucket(t + 1)
 

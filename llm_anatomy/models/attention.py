@@ -28,6 +28,13 @@ class AttentionBatch:
     prefix_lens: tuple[int, ...] = ()  # prefill only: tokens already cached before this step
     num_decodes: int = 0  # prefill only: the first num_decodes sequences forward one token each (decodes)
 
+    @classmethod
+    def fresh_prompt(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> "AttentionBatch":
+        """One prompt with nothing cached yet, its tokens stored at slot_mapping (-1: stored nowhere)."""
+        n, dev = len(slot_mapping), slot_mapping.device
+        return cls(k_cache, v_cache, slot_mapping, True, torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                   torch.tensor([n], dtype=torch.int32, device=dev), (n,), (0,))
+
     def prefill_part(self) -> "AttentionBatch":
         """The sequences after the leading decodes, as a prefill batch of their own."""
         d = self.num_decodes
