@@ -250,7 +250,7 @@ class ModelRunner:
         t = min(size for size in self.prefill_graphs if size >= n)
         stage = self._prefill_stage[self._flip]
         self._flip ^= 1
-        stage[0, :n] = torch.tensor(seq.prompt_token_ids + seq.output_token_ids)
+        stage[0, :n] = torch.tensor(seq.token_ids(0, n))
         stage[1, :n] = torch.arange(n)
         stage[2, :n] = seq.block_table.slots(0, n)
         stage[:2, n:t] = 0
