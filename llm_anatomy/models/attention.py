@@ -48,10 +48,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
     store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     if not batch.is_prefill:
         return decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens)
+    return prefill_step_attention(q, k, v, k_cache, v_cache, batch, decode_attention)
+
+
+def prefill_step_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, decode) -> torch.Tensor:
+    """Attention of a step that prefills: its leading decodes (a mixed step) on `decode(q, k_cache, v_cache,
+    block_tables, context_lens)`, the rest on prefill_attention. k, v: this step's keys and values."""
     d = batch.num_decodes
     if not d:
         return prefill_attention(q, k, v, k_cache, v_cache, batch)
-    decoded = decode_attention(q[:d], k_cache, v_cache, batch.block_tables[:d], batch.context_lens[:d])
+    decoded = decode(q[:d], k_cache, v_cache, batch.block_tables[:d], batch.context_lens[:d])
     return torch.cat([decoded, prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, batch.prefill_part())])
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionBatch, attend, prefill_attention
+from .attention import AttentionBatch, attend, prefill_step_attention
 from .config import ModelConfig
 
 try:  # the fast path's kernels; without Triton the model runs the PyTorch path only
@@ -141,12 +141,8 @@ class Attention(nn.Module, FastPath):
         if not batch.is_prefill:
             return paged_decode_attention(out, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
         q, k, v = out  # k, v: this step's keys and values, as stored
-        d = batch.num_decodes  # a mixed step (chunked prefill): its decodes first, on the decode kernel
-        decoded = paged_decode_attention(q[:d], k_cache, v_cache, batch.block_tables[:d], batch.context_lens[:d],
-                                         scale) if d else None
-        rest = batch.prefill_part() if d else batch
-        prefilled = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, rest)
-        return prefilled if decoded is None else torch.cat([decoded, prefilled])
+        return prefill_step_attention(q, k, v, k_cache, v_cache, batch,
+                                      lambda *args: paged_decode_attention(*args, scale))
 
 
 class MLP(nn.Module, FastPath):
