@@ -112,13 +112,13 @@ def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, pad: bo
     out = torch.empty_like(q) if len(batch.query_lens) > 1 else None
     start = 0
     for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
-        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)
         if prefix == 0:  # the whole context is new: plain causal attention over the fresh k, v
             rows = prefill_bucket(n) if pad else n
             qi, ki, vi = (_padded(x[start:start + n], rows).transpose(0, 1).unsqueeze(0) for x in (q, k, v))
             oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)[:, :, :n]
         else:  # new tokens after a cached prefix: attend to all of it, causal from the prefix's end
             total = prefix + n
+            qi = q[start:start + n].transpose(0, 1).unsqueeze(0)
             ki = gather_context(k_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
             vi = gather_context(v_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
             oi = _attend_after_prefix(qi, ki, vi, prefix)
