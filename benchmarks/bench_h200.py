@@ -445,15 +445,24 @@ def render_tables(results: dict) -> str:
     return "\n".join(lines) if len(lines) > 2 else "(no section with a target ran)"
 
 
-def main():
+def section_list(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in ALL]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown section {', '.join(unknown) or '(none given)'}; "
+                                         f"pick from {','.join(ALL)}")
+    return names
+
+
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="Qwen/Qwen3-8B")
-    parser.add_argument("--sections", default=",".join(ALL))
+    parser.add_argument("--sections", type=section_list, default=ALL, help=f"comma-separated, of {','.join(ALL)}")
     parser.add_argument("--out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     ctx = {"model": args.model}
     results = {}
-    for name in args.sections.split(","):
+    for name in args.sections:
         t = time.perf_counter()
         try:
             results[name] = globals()[f"section_{name}"](ctx)

@@ -21,13 +21,24 @@ def top(prof, key: str, n: int = 12) -> list:
     return [(e.key[:90], round(getattr(e, key) / 1e3, 3), e.count) for e in rows]
 
 
-def main() -> None:
+def prompt_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(n) for n in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"want comma-separated positive token counts, got {text!r}")
+    return lengths
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
-    parser.add_argument("--lengths", default="1025,1025,1025,1100,1100,3001,3001,3002,1025")
+    parser.add_argument("--lengths", type=prompt_lengths, default=prompt_lengths("1025,1025,1025,1100,1100,3001,3001,3002,1025"),
+                        help="comma-separated prompt lengths, timed in this order")
     parser.add_argument("--gc-freeze", action="store_true", help="collect, then freeze the heap before timing")
     parser.add_argument("--profile", action="store_true", help="also profile a new length and a repeated one")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     ctx = {"model": "Qwen/Qwen3-8B"}
     engine = make_engine(ctx, kv_cache_tokens=40960)
     print(f"load {ctx['engine_load_s']:.1f} s, of which compile, capture and warm-up "
@@ -41,7 +52,7 @@ def main() -> None:
         gc.collect()
         print(f"gc.collect {1e3 * (time.perf_counter() - t):.0f} ms, {len(gc.get_objects())} objects", flush=True)
         gc.freeze()
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = args.lengths
     out = {"load_s": ctx["engine_load_s"], "capture_s": engine.runner.capture_seconds,
            "eager_ms": [(n, one_prefill_ms(engine, n, seed)) for seed, n in enumerate(lengths)]}
     print(out, flush=True)

@@ -52,3 +52,22 @@ def test_splitk_gemv_candidate_is_exact_and_leaves_its_counters_at_zero():
     errors = probe.check(device, torch.float32, {"small": (96, 1024)}, [(2, 16, 128, 3), (4, 32, 256, 3)])
     assert max(errors.values()) < 1e-4, errors  # run twice each: a counter left non-zero would corrupt the second
     assert all(int(c.abs().sum()) == 0 for c in probe._COUNTERS.values())
+
+
+def test_bad_sections_and_lengths_are_refused_before_any_work(capsys, monkeypatch):
+    import pytest
+
+    bench = load_bench()
+    for argv, message in ((["--sections", "ours,nope"], "unknown section nope"),
+                          (["--sections", ","], "unknown section (none given)")):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert bench.section_list("env,ours") == ["env", "ours"]
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    probe = load_bench("probe_new_length")
+    for bad in ("10,x", "0", ""):
+        with pytest.raises(SystemExit) as e:
+            probe.main(["--lengths", bad])
+        assert e.value.code == 2 and "positive token counts" in capsys.readouterr().err
+    assert probe.prompt_lengths("1025,3001") == [1025, 3001]
