@@ -1,0 +1,204 @@
+"""Where does a batch-1 decode step's time go beyond the weights' bytes, and which GEMV tiles are best inside
+the real step?  Three parts, one engine (synthetic Qwen3-8B), all on the H200:
+
+- knockout: the decode step's graph captured again with one family of small kernels replaced by a no-op
+  (the norms, the QK-norm + RoPE + store, the attention), timed interleaved with the full step. The outputs
+  are garbage; the time each family adds to the step is the difference. An upper bound on what fusing it
+  into a neighbour could save.
+- tiles: for each GEMV shape in turn, every tile config pinned in the autotuner's cache and the whole step
+  captured and timed (coordinate descent from the autotuner's picks), since a tile timed alone is not
+  necessarily the best one between its neighbours with PDL.
+- prefill: a profiled eager 2048-token prefill, device time per kernel.
+
+    python3 benchmarks/probe_decode_parts.py --out $OUT/decode_parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import types
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import triton
+
+from bench_h200 import cuda_ms, make_engine, one_prefill_ms
+from llm_anatomy.kernels import gemv as gemv_module
+from llm_anatomy.models import qwen3
+from llm_anatomy.models.attention import AttentionBatch
+from llm_anatomy.probe.kernels import categorize
+
+CONTEXT = 512
+EXTRA_TILES = [(16, 1024, 4), (16, 256, 2), (16, 128, 4), (32, 512, 4), (32, 512, 8), (64, 256, 4), (128, 128, 4),
+               (64, 64, 4), (32, 128, 2)]
+
+
+def decode_forward(engine):
+    runner = engine.runner
+    blocks = CONTEXT // engine.block_size
+    runner.static_ids[:1] = 1
+    runner.static_pos[:1] = CONTEXT - 1
+    runner.static_slots[:1] = CONTEXT - 1
+    runner.static_lens[:1] = CONTEXT
+    runner.static_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32)
+    batch = AttentionBatch(runner.pool.k, runner.pool.v, runner.static_slots[:1], False, runner.static_tables[:1],
+                           runner.static_lens[:1])
+    model = runner.model
+    return lambda: model.compute_logits(model(runner.static_ids[:1], runner.static_pos[:1], batch))
+
+
+def step_ms(engine, forward, iters: int = 40) -> float:
+    graph, out = engine.runner._capture_one(forward)
+    ms = cuda_ms(graph.replay, iters=iters, warmup=5)
+    del graph, out
+    return ms
+
+
+# ---- knockout ----------------------------------------------------------------------------------------------
+def no_norm(x, weight, eps, residual=None):
+    return x
+
+
+def no_rope(qkv, n_heads, n_kv_heads, head_dim, *args, **kwargs):
+    return qkv[:, :n_heads * head_dim].view(qkv.shape[0], n_heads, head_dim)
+
+
+def no_attention(q, *args, **kwargs):
+    return q
+
+
+def knockout(engine, rounds: int) -> dict:
+    forward = decode_forward(engine)
+    real = {"norm": qwen3.norm, "qk_norm_rope_store": qwen3.qk_norm_rope_store,
+            "paged_decode_attention": qwen3.paged_decode_attention}
+    fakes = {"norm": types.SimpleNamespace(rmsnorm=no_norm), "qk_norm_rope_store": no_rope,
+             "paged_decode_attention": no_attention}
+    variants = {"full": [], "no_norms": ["norm"], "no_rope": ["qk_norm_rope_store"],
+                "no_attention": ["paged_decode_attention"],
+                "no_rope_no_attention": ["qk_norm_rope_store", "paged_decode_attention"],
+                "gemvs_only": ["norm", "qk_norm_rope_store", "paged_decode_attention"]}
+    times = defaultdict(list)
+    for _ in range(rounds):
+        for name, off in variants.items():
+            for key in off:
+                setattr(qwen3, key, fakes[key])
+            try:
+                times[name].append(step_ms(engine, forward))
+            finally:
+                for key, value in real.items():
+                    setattr(qwen3, key, value)
+    out = {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
+    full = out["full"]["ms"]
+    for name in out:
+        out[name]["saves_ms"] = full - out[name]["ms"]
+    return out
+
+
+# ---- tiles -------------------------------------------------------------------------------------------------
+def tile_configs() -> list[triton.Config]:
+    seen, configs = set(), []
+    for c in gemv_module.CONFIGS + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                                    for bn, bk, w in EXTRA_TILES for s in (4,)]:
+        key = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+        if key not in seen and c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] * c.num_stages <= 64 * 1024:
+            seen.add(key)
+            configs.append(c)
+    return configs
+
+
+def describe(c: triton.Config) -> str:
+    return f"N{c.kwargs['BLOCK_N']}_K{c.kwargs['BLOCK_K']}_w{c.num_warps}_s{c.num_stages}"
+
+
+def tiles(engine) -> dict:
+    forward = decode_forward(engine)
+    cache = gemv_module._gemv_kernel.cache
+    forward()
+    torch.cuda.synchronize()
+    keys = sorted(cache, key=lambda k: -k[1] * k[2])  # largest first
+    picked = {k: cache[k] for k in keys}
+    out = {"autotuned": {str(k[:4]): describe(c) for k, c in picked.items()}, "sweeps": {}}
+    base = step_ms(engine, forward)
+    out["autotuned_step_ms"] = base
+    for key in keys:
+        if key[1] == engine.config.vocab_size:
+            continue
+        rows = {}
+        for c in tile_configs():
+            cache[key] = c
+            try:
+                rows[describe(c)] = step_ms(engine, forward, iters=30)
+            except Exception as e:  # a tile that does not fit (shared memory) or does not compile
+                rows[describe(c)] = str(e)[:120]
+        timed = {n: t for n, t in rows.items() if isinstance(t, float)}
+        best = min(timed, key=timed.get)
+        cache[key] = next(c for c in tile_configs() if describe(c) == best)
+        again = step_ms(engine, forward)
+        out["sweeps"][str(key[:4])] = {"autotuned": describe(picked[key]), "best": best, "best_ms": timed[best],
+                                       "step_ms_after": again, "all": rows}
+        print(key[:4], "autotuned", describe(picked[key]), rows.get(describe(picked[key])), "best", best,
+              timed[best], flush=True)
+    out["final_step_ms"] = step_ms(engine, forward)
+    out["autotuned_again_ms"] = None
+    for key, c in picked.items():
+        cache[key] = c
+    out["autotuned_again_ms"] = step_ms(engine, forward)
+    return out
+
+
+# ---- prefill -----------------------------------------------------------------------------------------------
+def prefill_profile(engine, n: int = 2048) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.runner.prefill_graphs = engine.runner.prefill_graphs, {}
+    try:
+        one_prefill_ms(engine, n, 0)
+        eager = one_prefill_ms(engine, n, 1)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            one_prefill_ms(engine, n, 2)
+    finally:
+        engine.runner.prefill_graphs = graphs
+    per_kernel, categories = defaultdict(lambda: [0.0, 0]), defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.name][0] += evt.device_time / 1e3
+            per_kernel[evt.name][1] += 1
+            categories[categorize(evt.name)] += evt.device_time / 1e3
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:20]
+    return {"eager_ms": eager, "kernel_ms": sum(categories.values()),
+            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "top": [(name[:100], round(t, 3), c) for name, (t, c) in top]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--parts", default="knockout,tiles,prefill")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    ctx = {"model": "Qwen/Qwen3-8B"}
+    engine = make_engine(ctx, kv_cache_tokens=8192, max_num_seqs=1, max_model_len=4096)
+    print(f"load {ctx['engine_load_s']:.1f} s", flush=True)
+    out = {}
+    parts = args.parts.split(",")
+    with torch.inference_mode():
+        if "knockout" in parts:
+            out["knockout"] = knockout(engine, args.rounds)
+            print(json.dumps({k: round(v["ms"], 4) for k, v in out["knockout"].items()}), flush=True)
+        if "prefill" in parts:
+            out["prefill"] = prefill_profile(engine)
+            print(json.dumps(out["prefill"], indent=0)[:3000], flush=True)
+        if "tiles" in parts:
+            out["tiles"] = tiles(engine)
+            print({k: (v["autotuned"], v["best"], round(v["best_ms"], 4)) for k, v in out["tiles"]["sweeps"].items()},
+                  out["tiles"]["autotuned_step_ms"], out["tiles"]["final_step_ms"], out["tiles"]["autotuned_again_ms"],
+                  flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
