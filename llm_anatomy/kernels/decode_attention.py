@@ -53,7 +53,9 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
     return m_new, l, acc
 
 
-@triton.jit
+# The block tables' width, the split count and where the step's integers sit change from step to step: no
+# specialising on them, so that an eager step of a new shape does not compile a kernel.
+@triton.jit(do_not_specialize=["stride_tb", "splits"], do_not_specialize_on_alignment=["table_ptr", "ctx_ptr"])
 def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
                   stride_qb, stride_qh, stride_tb, n_kv_heads, page_size, splits,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -93,7 +95,7 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _decode_attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, n_heads, splits,
                   SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
     gdc_enter(USE_PDL)
