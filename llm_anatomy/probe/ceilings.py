@@ -18,13 +18,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import platform
 import re
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -36,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..anatomy import Ceilings
+from ..disk_cache import cache_file, read_entries, write_entry
 
 __all__ = [
     "DATASHEETS", "GpuDatasheet", "cache_path", "cached_ceilings", "calibrate", "datasheet_ceilings",
@@ -524,21 +523,7 @@ def datasheet_ceilings(device: torch.device | str) -> Ceilings:
 
 def cache_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """$XDG_CACHE_HOME/llm-anatomy/ceilings.json (~/.cache when unset), or cache_dir/ceilings.json."""
-    if cache_dir is not None:
-        return Path(cache_dir) / "ceilings.json"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llm-anatomy" / "ceilings.json"
-
-
-def _read_cache(path: Path) -> dict[str, dict]:
-    """The cache's entries; an absent, unreadable or corrupt file reads as empty."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
-        return {}
-    return {k: v for k, v in data["entries"].items() if isinstance(k, str) and isinstance(v, dict)}
+    return cache_file("ceilings.json", cache_dir)
 
 
 _NUMBER_FIELDS = ("read_gbps", "gemv_gbps", "matmul_tflops", "datasheet_gbps", "datasheet_tflops")
@@ -571,7 +556,7 @@ def _with_current_datasheet(c: Ceilings, device: torch.device) -> Ceilings:
 
 
 def _cached_entry(device: torch.device, cache_dir) -> tuple[Ceilings, bool] | None:
-    entry = _read_cache(cache_path(cache_dir)).get(device_key(device))
+    entry = read_entries(cache_path(cache_dir), CACHE_FORMAT).get(device_key(device))
     if entry is None:
         return None
     c = _entry_to_ceilings(entry)
@@ -590,23 +575,8 @@ def store_ceilings(device: torch.device | str, ceilings: Ceilings, cache_dir: st
                    *, quick: bool = False) -> Path:
     """Write one device's ceilings into the cache (other devices' entries kept; a corrupt file replaced)."""
     dev = _as_device(device)
-    path = cache_path(cache_dir)
-    entries = _read_cache(path)
-    entries[device_key(dev)] = {"ceilings": dataclasses.asdict(ceilings), "quick": quick}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=2, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ceilings-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    return write_entry(cache_path(cache_dir), CACHE_FORMAT, device_key(dev),
+                       {"ceilings": dataclasses.asdict(ceilings), "quick": quick})
 
 
 def load_or_calibrate(device: torch.device | str, cache_dir: str | os.PathLike | None = None,
