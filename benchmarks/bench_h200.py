@@ -271,10 +271,9 @@ def section_ours(ctx) -> dict:
     for n in (2048, 8192):
         cost = prefill_cost(cfg, torch.bfloat16, [(n, 0)])
         out[f"prefill_{n}_floor_ms"] = cost.flops / (ceilings.matmul_tflops * 1e12) * 1e3
-    from llm_anatomy.kernels.gemv import _gemv_kernel
-
-    # which tile the autotuner picked per shape: decode TPOT varies from one process to the next
-    out["gemv_configs"] = {str(k): str(v) for k, v in _gemv_kernel.cache.items()}
+    tuning = engine.runner.tile_tuning  # the GEMV tiles this process uses, and whether it tuned them
+    out["gemv_tiles"] = {"source": tuning.source, "seconds": tuning.seconds, "step_ms": tuning.step_ms,
+                         "tiles": {str(k): str(t) for k, t in tuning.tiles.items()}}
     return out
 
 

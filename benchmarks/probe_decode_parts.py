@@ -5,9 +5,8 @@ the real step?  Three parts, one engine (synthetic Qwen3-8B), all on the H200:
   (the norms, the QK-norm + RoPE + store, the attention), timed interleaved with the full step. The outputs
   are garbage; the time each family adds to the step is the difference. An upper bound on what fusing it
   into a neighbour could save.
-- tiles: for each GEMV shape in turn, every tile config pinned in the autotuner's cache and the whole step
-  captured and timed (coordinate descent from the autotuner's picks), since a tile timed alone is not
-  necessarily the best one between its neighbours with PDL.
+- tiles: for each GEMV shape in turn, every candidate tile and a wider set, the whole step captured and timed
+  (coordinate descent from the tiles start-up chose), to check start-up's tuning (engine/tuning.py).
 - prefill: a profiled eager 2048-token prefill, device time per kernel.
 
     python3 benchmarks/probe_decode_parts.py --out $OUT/decode_parts.json
@@ -23,7 +22,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import triton
 
 from bench_h200 import cuda_ms, make_engine, one_prefill_ms
 from llm_anatomy.kernels import gemv as gemv_module
@@ -32,8 +30,6 @@ from llm_anatomy.models.attention import AttentionBatch
 from llm_anatomy.probe.kernels import categorize
 
 CONTEXT = 512
-EXTRA_TILES = [(16, 1024, 4), (16, 256, 2), (16, 128, 4), (32, 512, 4), (32, 512, 8), (64, 256, 4), (128, 128, 4),
-               (64, 64, 4), (32, 128, 2)]
 
 
 def decode_forward(engine):
@@ -98,54 +94,34 @@ def knockout(engine, rounds: int) -> dict:
 
 
 # ---- tiles -------------------------------------------------------------------------------------------------
-def tile_configs() -> list[triton.Config]:
-    seen, configs = set(), []
-    for c in gemv_module.CONFIGS + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-                                    for bn, bk, w in EXTRA_TILES for s in (4,)]:
-        key = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
-        if key not in seen and c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] * c.num_stages <= 64 * 1024:
-            seen.add(key)
-            configs.append(c)
-    return configs
-
-
-def describe(c: triton.Config) -> str:
-    return f"N{c.kwargs['BLOCK_N']}_K{c.kwargs['BLOCK_K']}_w{c.num_warps}_s{c.num_stages}"
+WIDER_TILES = [(16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 4, 5), (16, 512, 4, 5), (32, 256, 4, 3), (32, 128, 4, 5),
+               (64, 128, 4, 3), (16, 512, 8, 4), (16, 128, 4, 4), (128, 128, 4, 4), (64, 64, 4, 4), (32, 128, 2, 3)]
 
 
 def tiles(engine) -> dict:
+    """Every shape swept again over the start-up candidates and a wider set, from the tiles start-up chose."""
     forward = decode_forward(engine)
-    cache = gemv_module._gemv_kernel.cache
-    forward()
-    torch.cuda.synchronize()
-    keys = sorted(cache, key=lambda k: -k[1] * k[2])  # largest first
-    picked = {k: cache[k] for k in keys}
-    out = {"autotuned": {str(k[:4]): describe(c) for k, c in picked.items()}, "sweeps": {}}
-    base = step_ms(engine, forward)
-    out["autotuned_step_ms"] = base
-    for key in keys:
-        if key[1] == engine.config.vocab_size:
-            continue
+    chosen = dict(gemv_module.TILES)
+    candidates = list(dict.fromkeys(gemv_module.CANDIDATE_TILES + [gemv_module.Tile(*t) for t in WIDER_TILES]))
+    out = {"startup": {str(k): str(t) for k, t in chosen.items()}, "sweeps": {}}
+    out["startup_step_ms"] = step_ms(engine, forward)
+    for key in engine.runner._gemv_keys():
         rows = {}
-        for c in tile_configs():
-            cache[key] = c
+        for tile in candidates:
+            gemv_module.TILES[key] = tile
             try:
-                rows[describe(c)] = step_ms(engine, forward, iters=30)
-            except Exception as e:  # a tile that does not fit (shared memory) or does not compile
-                rows[describe(c)] = str(e)[:120]
+                rows[str(tile)] = step_ms(engine, forward, iters=30)
+            except Exception as e:  # a tile that does not fit (shared memory)
+                rows[str(tile)] = str(e)[:120]
         timed = {n: t for n, t in rows.items() if isinstance(t, float)}
         best = min(timed, key=timed.get)
-        cache[key] = next(c for c in tile_configs() if describe(c) == best)
-        again = step_ms(engine, forward)
-        out["sweeps"][str(key[:4])] = {"autotuned": describe(picked[key]), "best": best, "best_ms": timed[best],
-                                       "step_ms_after": again, "all": rows}
-        print(key[:4], "autotuned", describe(picked[key]), rows.get(describe(picked[key])), "best", best,
-              timed[best], flush=True)
-    out["final_step_ms"] = step_ms(engine, forward)
-    out["autotuned_again_ms"] = None
-    for key, c in picked.items():
-        cache[key] = c
-    out["autotuned_again_ms"] = step_ms(engine, forward)
+        gemv_module.TILES[key] = next(t for t in candidates if str(t) == best)
+        out["sweeps"][str(key)] = {"startup": str(chosen[key]), "startup_ms": timed.get(str(chosen[key])),
+                                   "best": best, "best_ms": timed[best], "all": rows}
+        print(key, "start-up", chosen[key], timed.get(str(chosen[key])), "best", best, timed[best], flush=True)
+    out["swept_step_ms"] = step_ms(engine, forward)
+    gemv_module.TILES.update(chosen)
+    out["startup_again_ms"] = step_ms(engine, forward)
     return out
 
 
@@ -193,9 +169,9 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(out["prefill"], indent=0)[:3000], flush=True)
         if "tiles" in parts:
             out["tiles"] = tiles(engine)
-            print({k: (v["autotuned"], v["best"], round(v["best_ms"], 4)) for k, v in out["tiles"]["sweeps"].items()},
-                  out["tiles"]["autotuned_step_ms"], out["tiles"]["final_step_ms"], out["tiles"]["autotuned_again_ms"],
-                  flush=True)
+            t = out["tiles"]
+            print({k: (v["startup"], v["best"], round(v["best_ms"], 4)) for k, v in t["sweeps"].items()},
+                  t["startup_step_ms"], t["swept_step_ms"], t["startup_again_ms"], flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 

@@ -126,6 +126,29 @@ def test_gemv(rows, dtype):
     assert rel(gemv(x, w, gated=True), silu_mul_reference(F.linear(x, w))) < TOL[dtype]
 
 
+def test_gemv_every_candidate_tile(monkeypatch):
+    """Start-up may pick any candidate tile for a shape: each must give the same product (here 80 rows, so
+    the last program of every BLOCK_N is partly masked, and K = 1024, two or more BLOCK_K steps)."""
+    from llm_anatomy.kernels import gemv as gemv_module
+    from llm_anatomy.kernels.gemv import CANDIDATE_TILES, DEFAULT_TILE, TILES, Tile, tile_key
+
+    x, w = rand(2, 1024), rand(160, 1024, seed=1)
+    plain, gated = F.linear(x, w[:80]), silu_mul_reference(F.linear(x, w))
+    for tile in CANDIDATE_TILES:
+        assert rel(gemv(x, w[:80], tile=tile), plain) < TOL[torch.float32], tile
+        assert rel(gemv(x, w, gated=True, tile=tile), gated) < TOL[torch.float32], tile
+
+    kernel, grids = gemv_module._gemv_kernel, []
+    monkeypatch.setattr(gemv_module, "_gemv_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
+    key = tile_key(80, 1024, False, w.dtype)
+    monkeypatch.setitem(TILES, key, Tile(16, 512, 4, 3))  # the tuned tile is the one a call without `tile` uses
+    assert rel(gemv(x, w[:80]), plain) < TOL[torch.float32]
+    del TILES[key]
+    gemv(x, w[:80])
+    assert grids == [(5,), (-(-80 // DEFAULT_TILE.block_n),)]
+
+
 GEMV_SHAPES = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
                    head_dim=32)  # every projection's K a multiple of 512: decode steps run on the GEMV kernel
 

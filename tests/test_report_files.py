@@ -127,13 +127,14 @@ def test_terminal_report_has_every_part():
 
     from llm_anatomy.report.terminal import render
 
-    console = Console(record=True, width=200)
+    console = Console(record=True, width=240)
     render(sample_anatomy(), console)
     text = console.export_text()
     for part in ("Timeline", "Latency", "Prefill", "Decode", "Batching", "stalled 13.5 ms by 1 prefill step",
                  "KV cache", "Memory census", "GPU", "Kernels",
                  "17.4 s once, before this call and not in its timings, of which 14.2 s Triton compiles, GEMV "
-                 "tuning and the capture of 20 CUDA graphs (programmatic dependent launch on)"):
+                 "tile tuning 6.3 s (kept for the next start) and the capture of 20 CUDA graphs (programmatic "
+                 "dependent launch on)"):
         assert part in text, part
     assert "start-up: 17.4 s once" in render_html(sample_anatomy())
     render(sample_cpu_anatomy(), console)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import nn
 
 from ..models.attention import AttentionBatch, prefill_attention, prefill_bucket
 from ..models.qwen3 import Qwen3ForCausalLM
 from .kv_cache import KVCachePool
 from .scheduler import ScheduledBatch, Sequence
+from .tuning import TileTuning, tune_tiles
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # A prompt's prefill launches ~450 kernels, and eagerly the host falls behind the device in the first layers.
@@ -41,6 +43,7 @@ class ModelRunner:
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_bytes = 0
         self.capture_seconds = 0.0
+        self.tile_tuning: TileTuning | None = None
         self._mempool = None
         self._pinned: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}  # see _upload
         self._upload_flip = 0
@@ -145,6 +148,7 @@ class ModelRunner:
         self._rows: list[tuple | None] = [None] * n  # which sequence's blocks each table row holds, how many
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_allocated(dev)
+        self.tile_tuning = self._tune_gemv_tiles()
         for b in reversed(sizes):
             batch = AttentionBatch(self.pool.k, self.pool.v, self.static_slots[:b], False, self.static_tables[:b],
                                    self.static_lens[:b])
@@ -159,9 +163,9 @@ class ModelRunner:
         self.graph_bytes = torch.cuda.memory_allocated(dev) - before
         self.capture_seconds = time.perf_counter() - start
 
-    def _capture_one(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up on a side stream (compiles and tunes kernels outside the graph), then capture, sharing one
-        memory pool across all graphs."""
+    def _capture_one(self, forward, shared_pool: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (compiles kernels outside the graph), then capture, sharing one memory pool
+        across all the graphs kept (a graph made only to be timed gets its own, freed with it)."""
         dev = self.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -170,10 +174,59 @@ class ModelRunner:
                 forward()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        with torch.cuda.graph(graph, pool=self._mempool if shared_pool else None):
             out = forward()
-        self._mempool = self._mempool or graph.pool()
+        if shared_pool:
+            self._mempool = self._mempool or graph.pool()
         return graph, out
+
+    def _gemv_keys(self) -> list[tuple]:
+        """The decode step's GEMV shapes (the linear layers whose inputs the kernel takes), largest first."""
+        from ..kernels.gemv import tile_key
+
+        keys = {}
+        for name, m in self.model.named_modules():
+            if isinstance(m, nn.Linear) and m.in_features % 512 == 0:
+                gated = name.endswith("gate_up_proj")
+                n = m.out_features // 2 if gated else m.out_features
+                keys[tile_key(n, m.in_features, gated, m.weight.dtype)] = m.weight.numel()
+        return sorted(keys, key=lambda k: -keys[k])
+
+    def _tune_gemv_tiles(self) -> TileTuning:
+        """Each GEMV shape's tile, timed inside the captured batch-1 decode step (see tuning.py) at a context of
+        up to 512 tokens (whatever the KV pool holds; nothing is stored), or read from the cache."""
+        from ..kernels import gemv
+        from ..kernels.pdl import PDL
+        from ..probe.ceilings import device_key
+
+        bs = self.pool.block_size
+        context = min(512, self.pool.num_blocks * bs, self.static_tables.shape[1] * bs)
+        self.static_pos[0] = context - 1
+        self.static_lens[0] = context
+        self.static_tables[0, :-(-context // bs)] = torch.arange(-(-context // bs), dtype=torch.int32)
+        batch = AttentionBatch(self.pool.k, self.pool.v, self.static_slots[:1], False, self.static_tables[:1],
+                               self.static_lens[:1])
+
+        def step_ms() -> float:
+            graph, _ = self._capture_one(
+                lambda: self.model.compute_logits(self.model(self.static_ids[:1], self.static_pos[:1], batch)),
+                shared_pool=False)
+            for _ in range(3):
+                graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 10
+
+        try:
+            return tune_tiles(self._gemv_keys(), gemv.TILES, step_ms, device_key(self.device), PDL.on)
+        finally:
+            self.static_pos.zero_()
+            self.static_lens.zero_()
+            self.static_tables.zero_()
 
     def _capture_prefill(self, max_tokens: int) -> None:
         sizes = prefill_graph_sizes(max_tokens)

@@ -8,7 +8,7 @@ rows of both, so the output is SiLU(gate) * up directly: the MLP's activation co
 round trip through memory.
 """
 
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,14 +16,35 @@ import triton.language as tl
 
 from .pdl import PDL, gdc_enter
 
-# A small search: per shape, Triton times each once on the first call (about a second per shape).
-CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w in ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 128, 4), (64, 128, 4), (16, 512, 8))
-    for s in (3, 4, 5)
-]
-if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU tests: one config, no timing
-    CONFIGS = CONFIGS[:1]
+
+@dataclass(frozen=True)
+class Tile:
+    """How the kernel cuts a product: BLOCK_N weight rows per program, BLOCK_K columns per load."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"N{self.block_n}_K{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+
+
+# The best tile of a shape depends on its neighbours in the decode step (with programmatic dependent launch a
+# kernel's tail overlaps the next one's start), not on the kernel timed alone: on the H200, Triton's autotuner
+# picked tiles that made the Qwen3-8B step up to 0.58 ms slower than the best ones found inside the step
+# (benchmarks/probe_decode_parts.py). So the runner tunes each shape inside the captured step at start-up
+# (engine/tuning.py) among these candidates, every one of which was within 0.1 ms of a shape's best there.
+CANDIDATE_TILES = [Tile(bn, bk, w, s) for bn, bk, w, s in (
+    (32, 512, 4, 4), (16, 256, 2, 4), (32, 256, 4, 5), (64, 256, 4, 4), (32, 512, 8, 4), (32, 256, 4, 4),
+    (64, 128, 4, 5), (32, 128, 2, 4), (64, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 4), (32, 128, 4, 3),
+    (16, 512, 4, 3), (32, 256, 2, 4), (16, 512, 2, 4), (32, 128, 2, 5), (64, 128, 2, 4))]
+DEFAULT_TILE = Tile(32, 256, 4, 4)  # second-best or better for three of the four layer shapes
+TILES: dict[tuple, Tile] = {}  # tile_key -> the tile tuned for it in this process
+
+
+def tile_key(n: int, k: int, gated: bool, dtype: torch.dtype) -> tuple:
+    """What a tile is chosen by: the product's shape (n output rows; 2n weight rows when gated) and dtype."""
+    return (n, k, gated, str(dtype).removeprefix("torch."))
 
 
 @triton.jit
@@ -33,8 +54,7 @@ def _dot(x, w, IEEE: tl.constexpr):
     return tl.dot(x, tl.trans(w))
 
 
-@triton.autotune(configs=CONFIGS, key=["M_PAD", "N", "K", "GATED"])  # the best tile is the same with PDL
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes with the batch; compiling per count is waste
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
                  K: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
                  USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -69,15 +89,17 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
 MAX_ROWS = 16
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tile: Tile | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight[N, K].T -> [M, N]; with gated, weight is [2n, K] and the result is
-    SiLU(x @ gate.T) * (x @ up.T), [M, n]. K must be a multiple of 512."""
+    SiLU(x @ gate.T) * (x @ up.T), [M, n]. K must be a multiple of 512. `tile`: this one, not the tuned one."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
+    tile = tile or TILES.get(tile_key(n, k, gated, weight.dtype), DEFAULT_TILE)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k, M_PAD=16,
-                       GATED=gated, IEEE=x.dtype == torch.float32, USE_PDL=PDL.on, launch_pdl=PDL.on)
+    _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
+        x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k, M_PAD=16, GATED=gated,
+        IEEE=x.dtype == torch.float32, USE_PDL=PDL.on, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        launch_pdl=PDL.on, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 

@@ -223,7 +223,9 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
 def startup_record(engine: Engine) -> StartupRecord | None:
     if engine.startup_seconds is None:  # an Engine built directly, not through from_pretrained
         return None
-    runner = engine.runner
+    runner, tuning = engine.runner, engine.runner.tile_tuning
     return StartupRecord(total_s=engine.startup_seconds, compile_and_capture_s=runner.capture_seconds,
                          cuda_graphs=len(runner.graphs) + len(runner.prefill_graphs),
-                         programmatic_dependent_launch=engine.pdl)
+                         programmatic_dependent_launch=engine.pdl,
+                         tile_tuning_s=tuning.seconds if tuning else 0.0,
+                         tiles_from_cache=bool(tuning and tuning.source == "cache"))

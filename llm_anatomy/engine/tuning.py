@@ -1,0 +1,105 @@
+"""The decode GEMVs' tiles, tuned once inside the captured decode step and kept on disk.
+
+A GEMV's best tile depends on what runs around it: with programmatic dependent launch the next kernel starts
+while this one drains, and the weights come cold from HBM every step. Timed alone (Triton's autotuner), the
+picks varied from process to process and cost the Qwen3-8B step up to 0.58 ms on the H200. So each shape is
+tuned by coordinate descent on the real thing: for each candidate tile, the batch-1 decode step is captured
+and replayed, and the fastest step wins; shapes go largest first, each tuned with the others at their best so
+far. The choice is stored per device, driver, torch and Triton version, and a later start-up reads it back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..disk_cache import cache_file, read_entries, write_entry
+from ..kernels.gemv import CANDIDATE_TILES, Tile
+
+CACHE_FORMAT = 1
+
+
+@dataclass
+class TileTuning:
+    """What start-up did about the GEMV tiles."""
+    tiles: dict[tuple, Tile]  # tile_key -> tile in use
+    source: str  # "tuned" (some timed now), "cache" (all read back)
+    seconds: float
+    step_ms: float | None = None  # the batch-1 decode step with the chosen tiles, when tuned now
+
+
+def coordinate_descent(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callable[[], float],
+                       candidates: Sequence[Tile] = CANDIDATE_TILES) -> float:
+    """Tune tiles[key] for each key in order, the others held; returns the last best step time. A candidate
+    that cannot run here (a kernel needing more shared memory than there is) is skipped."""
+    from triton.runtime.errors import OutOfResources
+
+    best_ms = float("inf")
+    for key in keys:
+        best: tuple[Tile, float] | None = None
+        for tile in candidates:
+            tiles[key] = tile
+            try:
+                ms = step_ms()
+            except OutOfResources:
+                continue
+            if best is None or ms < best[1]:
+                best = (tile, ms)
+        if best is None:
+            raise RuntimeError(f"no candidate GEMV tile runs for shape {key}")
+        tiles[key], best_ms = best
+    return best_ms
+
+
+def _cache_key(device_key: str, pdl: bool) -> str:
+    import triton
+
+    return f"{device_key} | triton {triton.__version__} | pdl {'on' if pdl else 'off'}"
+
+
+def _entry_key(key: tuple) -> str:
+    n, k, gated, dtype = key
+    return f"{n}x{k}{' gated' if gated else ''} {dtype}"
+
+
+def cached_tiles(device_key: str, pdl: bool, keys: Sequence[tuple], cache_dir: str | os.PathLike | None = None,
+                 candidates: Sequence[Tile] = CANDIDATE_TILES) -> dict[tuple, Tile]:
+    """The tiles stored for these shapes on this device (only the shapes found, only valid candidates)."""
+    entry = read_entries(cache_file("gemv_tiles.json", cache_dir), CACHE_FORMAT).get(_cache_key(device_key, pdl), {})
+    found = {}
+    for key in keys:
+        value = entry.get(_entry_key(key))
+        if isinstance(value, list) and len(value) == 4 and all(type(v) is int for v in value) \
+                and Tile(*value) in candidates:
+            found[key] = Tile(*value)
+    return found
+
+
+def store_tiles(device_key: str, pdl: bool, tiles: dict[tuple, Tile], cache_dir: str | os.PathLike | None = None):
+    path = cache_file("gemv_tiles.json", cache_dir)
+    cache_key = _cache_key(device_key, pdl)
+    entry = read_entries(path, CACHE_FORMAT).get(cache_key, {})
+    entry.update({_entry_key(k): [t.block_n, t.block_k, t.num_warps, t.num_stages] for k, t in tiles.items()})
+    return write_entry(path, CACHE_FORMAT, cache_key, entry)
+
+
+def tune_tiles(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callable[[], float], device_key: str,
+               pdl: bool, cache_dir: str | os.PathLike | None = None,
+               candidates: Sequence[Tile] = CANDIDATE_TILES) -> TileTuning:
+    """Read the keys' tiles from the cache; tune those missing (largest first, as given) and store them."""
+    import warnings
+
+    start = time.perf_counter()
+    found = cached_tiles(device_key, pdl, keys, cache_dir, candidates)
+    tiles.update(found)
+    missing = [k for k in keys if k not in found]
+    if not missing:
+        return TileTuning({k: tiles[k] for k in keys}, "cache", time.perf_counter() - start)
+    ms = coordinate_descent(missing, tiles, step_ms, candidates)
+    try:
+        store_tiles(device_key, pdl, {k: tiles[k] for k in keys}, cache_dir)
+    except OSError as e:  # a cache that cannot be written costs the next start-up a tuning, nothing more
+        warnings.warn(f"could not save the GEMV tiles: {e}", stacklevel=2)
+    return TileTuning({k: tiles[k] for k in keys}, "tuned", time.perf_counter() - start, ms)

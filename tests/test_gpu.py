@@ -1,0 +1,61 @@
+"""On a CUDA device only: start-up tunes every decode GEMV's tile, and after start-up an eager prefill at a
+prompt length never seen compiles no kernel (a Triton compile cost 0.3-0.5 s in the first prompt of some
+lengths, from specialising on the token count and on where the step's integers sit)."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    import os
+
+    from llm_anatomy import Engine
+
+    cache = tmp_path_factory.mktemp("xdg")
+    old, os.environ["XDG_CACHE_HOME"] = os.environ.get("XDG_CACHE_HOME"), str(cache)  # tune, don't read back
+    try:
+        yield Engine.from_pretrained("Qwen/Qwen3-0.6B", device="cuda", weights="synthetic", max_model_len=4096,
+                                     kv_cache_tokens=16384, max_num_seqs=4)
+    finally:
+        if old is None:
+            os.environ.pop("XDG_CACHE_HOME")
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
+
+
+def compiled_kernels() -> int:
+    import triton
+
+    from llm_anatomy.kernels import activation, decode_attention, gemv, norm, rope
+
+    count = 0
+    for module in (activation, decode_attention, gemv, norm, rope):
+        for fn in vars(module).values():
+            if isinstance(fn, triton.runtime.jit.JITFunction):
+                count += sum(len(cache[0]) for cache in fn.device_caches.values())
+    return count
+
+
+def test_every_decode_gemv_shape_gets_a_tuned_tile(engine):
+    from llm_anatomy.kernels.gemv import CANDIDATE_TILES
+
+    tuning = engine.runner.tile_tuning
+    assert tuning.source == "tuned" and tuning.step_ms > 0
+    assert set(tuning.tiles) == set(engine.runner._gemv_keys()) and len(tuning.tiles) == 5
+    assert all(t in CANDIDATE_TILES for t in tuning.tiles.values())
+
+
+def test_eager_prefill_at_a_new_length_compiles_nothing(engine):
+    graphs, engine.runner.prefill_graphs = engine.runner.prefill_graphs, {}  # every prefill eager
+    try:
+        before = compiled_kernels()
+        for n in (1025, 1100, 3001, 3002, 77, 2050):
+            ids = torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            out = engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=2, ignore_eos=True)
+            assert len(out.output_token_ids) == 2
+        assert compiled_kernels() == before
+    finally:
+        engine.runner.prefill_graphs = graphs

@@ -1,0 +1,96 @@
+"""Start-up's GEMV tile tuning: coordinate descent over candidate tiles, and the disk cache that spares a
+later start-up the tuning. The step time is a made-up function of the tiles here; on a GPU it is the
+captured decode step's (tests/test_gpu.py)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from llm_anatomy.engine.tuning import cached_tiles, coordinate_descent, tune_tiles  # noqa: E402
+from llm_anatomy.kernels.gemv import CANDIDATE_TILES, Tile  # noqa: E402
+
+QKV, DOWN = (6144, 4096, False, "bfloat16"), (4096, 12288, False, "bfloat16")
+CANDIDATES = [Tile(16, 256, 4, 4), Tile(32, 256, 4, 4), Tile(32, 512, 4, 4), Tile(64, 128, 2, 4)]
+
+
+def fake_step(tiles, calls, too_big=()):
+    """A step whose time each shape's tile sets: qkv is fastest at 32x256, down at 32x512; a tile in
+    too_big does not fit in shared memory."""
+    best = {QKV: Tile(32, 256, 4, 4), DOWN: Tile(32, 512, 4, 4)}
+
+    def step_ms():
+        calls.append(dict(tiles))
+        if any(t in too_big for t in tiles.values()):
+            raise OutOfResources(245760, 232448, "shared memory")
+        return 4.0 + sum(0.0 if tiles.get(k) == b else 0.1 * (1 + CANDIDATES.index(tiles[k])) for k, b in best.items()
+                         if k in tiles)
+
+    return step_ms
+
+
+def test_coordinate_descent_picks_each_shapes_fastest_tile_and_skips_what_cannot_run():
+    tiles, calls = {}, []
+    ms = coordinate_descent([DOWN, QKV], tiles, fake_step(tiles, calls, too_big={Tile(64, 128, 2, 4)}), CANDIDATES)
+    assert tiles == {DOWN: Tile(32, 512, 4, 4), QKV: Tile(32, 256, 4, 4)}
+    assert ms == pytest.approx(4.0)
+    assert len(calls) == 2 * len(CANDIDATES)
+    assert all(c[DOWN] == Tile(32, 512, 4, 4) for c in calls[len(CANDIDATES):])  # the first shape held at its best
+
+
+def test_coordinate_descent_refuses_a_shape_no_tile_runs():
+    tiles = {}
+    with pytest.raises(RuntimeError, match="no candidate GEMV tile runs"):
+        coordinate_descent([QKV], tiles, fake_step(tiles, [], too_big=set(CANDIDATES)), CANDIDATES)
+
+
+def test_tuned_tiles_are_cached_per_device_and_pdl(tmp_path):
+    device = "cuda | NVIDIA H200 | driver 580 | cuda 13.0 | torch 2.11"
+    tiles, calls = {}, []
+    first = tune_tiles([DOWN, QKV], tiles, fake_step(tiles, calls), device, True, tmp_path, CANDIDATES)
+    assert first.source == "tuned" and first.tiles == {DOWN: Tile(32, 512, 4, 4), QKV: Tile(32, 256, 4, 4)}
+    assert first.step_ms == pytest.approx(4.0) and len(calls) == 2 * len(CANDIDATES)
+
+    tiles, calls = {}, []  # a later start-up on the same device: read back, nothing timed
+    again = tune_tiles([DOWN, QKV], tiles, fake_step(tiles, calls), device, True, tmp_path, CANDIDATES)
+    assert again.source == "cache" and again.tiles == first.tiles and tiles == first.tiles and not calls
+
+    tiles, calls = {}, []  # without PDL, or on another device, the tiles are tuned again
+    assert tune_tiles([QKV], tiles, fake_step(tiles, calls), device, False, tmp_path, CANDIDATES).source == "tuned"
+    assert tune_tiles([QKV], tiles, fake_step(tiles, calls), device.replace("H200", "H100"), True,
+                      tmp_path, CANDIDATES).source == "tuned"
+
+    tiles, calls = {}, []  # a new shape tunes that shape only; the others come from the cache
+    new = (151936, 4096, False, "bfloat16")
+    third = tune_tiles([new, QKV], tiles, fake_step(tiles, calls), device, True, tmp_path, CANDIDATES)
+    assert third.source == "tuned" and len(calls) == len(CANDIDATES) and all(c[QKV] == first.tiles[QKV] for c in calls)
+
+
+def test_a_damaged_or_foreign_cache_entry_is_not_used(tmp_path):
+    device = "cuda | NVIDIA H200"
+    path = tmp_path / "gemv_tiles.json"
+    path.write_text("{not json")
+    assert cached_tiles(device, True, [QKV], tmp_path, CANDIDATES) == {}
+    entry = {"6144x4096 bfloat16": [32, 256, 4, 4], "4096x12288 bfloat16": [32, 1024, 4, 4]}  # not a candidate
+    path.write_text(json.dumps({"format": 1, "entries": {f"{device} | triton {_triton()} | pdl on": entry}}))
+    assert cached_tiles(device, True, [QKV, DOWN], tmp_path, CANDIDATES) == {QKV: Tile(32, 256, 4, 4)}
+    entry["6144x4096 bfloat16"] = [32, 256, 4, "4"]
+    path.write_text(json.dumps({"format": 1, "entries": {f"{device} | triton {_triton()} | pdl on": entry}}))
+    assert cached_tiles(device, True, [QKV], tmp_path, CANDIDATES) == {}
+
+
+def test_candidate_tiles_fit_every_decode_shape():
+    """Every candidate divides K (a multiple of 512, which the kernel requires) and holds its pipeline in the
+    H100/H200's 227 KB of shared memory for the plain product; gated ones may not fit and are skipped."""
+    for t in CANDIDATE_TILES:
+        assert 512 % t.block_k == 0 and t.block_n >= 16 and t.num_warps in (2, 4, 8)
+        assert 2 * t.num_stages * (t.block_n + 16) * t.block_k <= 227 * 1024, t
+
+
+def _triton():
+    import triton
+
+    return triton.__version__
