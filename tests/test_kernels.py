@@ -132,21 +132,27 @@ def test_gemv_every_candidate_tile(monkeypatch):
     from llm_anatomy.kernels import gemv as gemv_module
     from llm_anatomy.kernels.gemv import CANDIDATE_TILES, DEFAULT_TILE, TILES, Tile, tile_key
 
-    x, w = rand(2, 1024), rand(160, 1024, seed=1)
+    from triton.runtime.errors import OutOfResources
+
+    dtype = DTYPES[-1]  # bf16 on a GPU, as the engine runs: float32 tiles twice the size may not fit there
+    x, w = rand(2, 1024, dtype=dtype), rand(160, 1024, seed=1, dtype=dtype)
     plain, gated = F.linear(x, w[:80]), silu_mul_reference(F.linear(x, w))
     for tile in CANDIDATE_TILES:
-        assert rel(gemv(x, w[:80], tile=tile), plain) < TOL[torch.float32], tile
-        assert rel(gemv(x, w, gated=True, tile=tile), gated) < TOL[torch.float32], tile
+        assert rel(gemv(x, w[:80], tile=tile), plain) < TOL[dtype], tile
+        try:  # the gated kernel holds two weight tiles per stage: tuning skips those that do not fit
+            assert rel(gemv(x, w, gated=True, tile=tile), gated) < TOL[dtype], tile
+        except OutOfResources:
+            assert DEVICE.type == "cuda"
 
     kernel, grids = gemv_module._gemv_kernel, []
     monkeypatch.setattr(gemv_module, "_gemv_kernel", type("Spy", (), {
         "__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
-    key = tile_key(80, 1024, False, w.dtype)
+    key = tile_key(80, 1024, False, dtype)
     monkeypatch.setitem(TILES, key, Tile(16, 512, 4, 3))  # the tuned tile is the one a call without `tile` uses
-    assert rel(gemv(x, w[:80]), plain) < TOL[torch.float32]
+    assert rel(gemv(x, w[:80]), plain) < TOL[dtype]
     del TILES[key]
     gemv(x, w[:80])
-    assert grids == [(5,), (-(-80 // DEFAULT_TILE.block_n),)]
+    assert grids == [(5,), (-(-80 // DEFAULT_TILE[w.element_size()].block_n),)]
 
 
 GEMV_SHAPES = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,

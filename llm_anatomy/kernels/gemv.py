@@ -38,7 +38,9 @@ CANDIDATE_TILES = [Tile(bn, bk, w, s) for bn, bk, w, s in (
     (32, 512, 4, 4), (16, 256, 2, 4), (32, 256, 4, 5), (64, 256, 4, 4), (32, 512, 8, 4), (32, 256, 4, 4),
     (64, 128, 4, 5), (32, 128, 2, 4), (64, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 4), (32, 128, 4, 3),
     (16, 512, 4, 3), (32, 256, 2, 4), (16, 512, 2, 4), (32, 128, 2, 5), (64, 128, 2, 4))]
-DEFAULT_TILE = Tile(32, 256, 4, 4)  # second-best or better for three of the four layer shapes
+# For a shape not tuned (no graphs: eager decode): second-best or better for three of Qwen3-8B's four layer
+# shapes in bf16; float32's twice-as-large tiles need a shallower pipeline to fit in shared memory.
+DEFAULT_TILE = {2: Tile(32, 256, 4, 4), 4: Tile(16, 256, 4, 3)}
 TILES: dict[tuple, Tile] = {}  # tile_key -> the tile tuned for it in this process
 
 
@@ -94,7 +96,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tile: Tile 
     SiLU(x @ gate.T) * (x @ up.T), [M, n]. K must be a multiple of 512. `tile`: this one, not the tuned one."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    tile = tile or TILES.get(tile_key(n, k, gated, weight.dtype), DEFAULT_TILE)
+    tile = tile or TILES.get(tile_key(n, k, gated, weight.dtype)) or DEFAULT_TILE[weight.element_size()]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k, M_PAD=16, GATED=gated,
