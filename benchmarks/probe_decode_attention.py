@@ -1,0 +1,102 @@
+"""What does the decode attention cost inside the batch-1 decode step, by context length, and what would a
+different split of its work cost?  The step's graph is captured with the attention swapped for variants of
+the engine's kernels (tile, number of splits, the merge kernel left out: timing only, the output then is
+wrong) and timed interleaved, at several context lengths.
+
+    python3 benchmarks/probe_decode_attention.py --out $OUT/decode_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import triton
+
+from bench_h200 import make_engine
+from llm_anatomy.kernels import decode_attention as da
+from llm_anatomy.kernels.pdl import PDL
+from llm_anatomy.models import qwen3
+from llm_anatomy.models.attention import AttentionBatch
+from probe_decode_parts import step_ms
+
+
+def split_only(q, k_cache, v_cache, tables, lens, scale, splits=None, block_n=da.BLOCK_N):
+    """The first kernel alone (the merge left out): what the attention would cost without a second launch."""
+    batch, n_heads, head_dim = q.shape
+    n_kv, page = k_cache.shape[2], k_cache.shape[1]
+    splits = splits or da.default_splits(batch, n_kv, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
+    da._decode_attention_split_kernel[(batch, n_kv, splits)](
+        q, k_cache, v_cache, tables, lens, acc, ml, scale, q.stride(0), q.stride(1), tables.stride(0), n_kv, page,
+        splits, GROUP=n_heads // n_kv, GROUP_PAD=max(16, triton.next_power_of_2(n_heads // n_kv)), HEAD_DIM=head_dim,
+        BLOCK_N=block_n, IEEE=False, INTERPRET=False, USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=da.NUM_WARPS,
+        num_stages=da.NUM_STAGES)
+    return q
+
+
+VARIANTS = {
+    "engine": lambda *a: da.paged_decode_attention(*a),
+    "bn64": lambda *a: da.paged_decode_attention(*a, block_n=64),
+    "splits8": lambda *a: da.paged_decode_attention(*a, splits=8),
+    "splits16": lambda *a: da.paged_decode_attention(*a, splits=16),
+    "splits4": lambda *a: da.paged_decode_attention(*a, splits=4),
+    "bn64_splits4": lambda *a: da.paged_decode_attention(*a, splits=4, block_n=64),
+    "bn64_splits8": lambda *a: da.paged_decode_attention(*a, splits=8, block_n=64),
+    "bn64_splits16": lambda *a: da.paged_decode_attention(*a, splits=16, block_n=64),
+    "bn32_splits8": lambda *a: da.paged_decode_attention(*a, splits=8, block_n=32),
+    "no_merge": lambda *a: split_only(*a),
+    "one_split_no_merge": lambda *a: split_only(*a, splits=1),
+    "one_split_no_merge_bn64": lambda *a: split_only(*a, splits=1, block_n=64),
+    "none": lambda q, *a: q,
+}
+
+
+def forward_at(engine, context: int):
+    runner = engine.runner
+    blocks = -(-context // engine.block_size)
+    runner.static_ids[:1] = 1
+    runner.static_pos[:1] = context - 1
+    runner.static_slots[:1] = -1
+    runner.static_lens[:1] = context
+    runner.static_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32)
+    batch = AttentionBatch(runner.pool.k, runner.pool.v, runner.static_slots[:1], False, runner.static_tables[:1],
+                           runner.static_lens[:1])
+    model = runner.model
+    return lambda: model.compute_logits(model(runner.static_ids[:1], runner.static_pos[:1], batch))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contexts", default="128,512,2048,8192,32768")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args(argv)
+    engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=36864, max_num_seqs=1, max_model_len=36864)
+    real = qwen3.paged_decode_attention
+    out = {}
+    with torch.inference_mode():
+        for context in map(int, args.contexts.split(",")):
+            forward = forward_at(engine, context)
+            times = defaultdict(list)
+            for _ in range(args.rounds):
+                for name in args.variants.split(","):
+                    qwen3.paged_decode_attention = VARIANTS[name]
+                    try:
+                        times[name].append(step_ms(engine, forward, iters=30))
+                    finally:
+                        qwen3.paged_decode_attention = real
+            out[context] = {name: statistics.median(t) for name, t in times.items()}
+            print(context, {k: round(v, 4) for k, v in out[context].items()}, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
