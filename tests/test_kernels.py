@@ -102,8 +102,8 @@ def test_qk_norm_rope_store(norm, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [1, 3, 8])
-def test_paged_decode_attention(dtype, splits):
+@pytest.mark.parametrize("splits,block_n", [(1, 16), (3, 16), (8, 16), (16, 64), (None, None)])  # None: defaults
+def test_paged_decode_attention(dtype, splits, block_n):
     heads, kv_heads, d, page, pages = 8, 2, 32, 4, 40
     k_cache, v_cache = rand(pages, page, kv_heads, d, dtype=dtype), rand(pages, page, kv_heads, d, dtype=dtype, seed=1)
     perm = torch.randperm(pages, generator=torch.Generator().manual_seed(0))
@@ -112,7 +112,7 @@ def test_paged_decode_attention(dtype, splits):
     tables[0, :1], tables[1, :10], tables[2, :25] = perm[:1], perm[1:11], perm[11:36]
     tables, lens = tables.to(DEVICE), torch.tensor(context, dtype=torch.int32, device=DEVICE)
     q = rand(4, heads, d, dtype=dtype, seed=2)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 1 / math.sqrt(d), splits=splits, block_n=16)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 1 / math.sqrt(d), splits=splits, block_n=block_n)
     ref = decode_attention(q[:3], k_cache, v_cache, tables[:3], lens[:3])
     assert rel(out[:3], ref) < TOL[dtype]
     assert out[3].abs().sum() == 0

@@ -1,10 +1,10 @@
 """Turns a scheduled batch into tensors, runs the network and returns the logits of each sampled sequence's
 last token.
 
-On CUDA, decode steps replay CUDA graphs: one per batch-size bucket, captured once at start-up over fixed
-input buffers (sharing one memory pool), so a step is a handful of small copies and one launch instead of
-hundreds of kernel launches from Python. Rows past the batch in a bucket are padding: slot -1 (nothing is
-stored) and context 0 (nothing is read).
+On CUDA, decode steps replay CUDA graphs: one per batch-size bucket (batch 1 has a second for short contexts,
+see SHORT_DECODE), captured once at start-up over fixed input buffers (sharing one memory pool), so a step is
+a handful of small copies and one launch instead of hundreds of kernel launches from Python. Rows past the
+batch in a bucket are padding: slot -1 (nothing is stored) and context 0 (nothing is read).
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # nothing cached yet; padded tokens sit after the real ones, so causality hides them). Capturing them also
 # compiles the QK-norm kernel's token blocks and builds cuDNN's attention plans for these lengths.
 GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, 2049)}))
+# A single sequence's decode attention splits its context over 33 programs per KV head (enough to read a 32k
+# context at full bandwidth); at short contexts most of them find nothing to do and still cost the step, as
+# does merging 33 partials. So batch 1 has a second decode graph for contexts up to `max_context`, with 16
+# splits of 64-token tiles: 4.21 against 4.31 ms a step at 128 tokens, 4.25 against 4.34 at 1024, 4.34
+# against 4.38 at 2048 (benchmarks/probe_decode_attention.py, Qwen3-8B on the H200).
+SHORT_DECODE = dict(max_context=2048, batch=1, splits=16, block_n=64)
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
@@ -40,6 +46,7 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.short_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # see SHORT_DECODE
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_bytes = 0
         self.capture_seconds = 0.0
@@ -150,13 +157,10 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(dev)
         self.tile_tuning = self._tune_gemv_tiles()
         for b in reversed(sizes):
-            batch = AttentionBatch(self.pool.k, self.pool.v, self.static_slots[:b], False, self.static_tables[:b],
-                                   self.static_lens[:b])
-
-            def forward(b=b, batch=batch):
-                return self.model.compute_logits(self.model(self.static_ids[:b], self.static_pos[:b], batch))
-
-            self.graphs[b] = self._capture_one(forward)
+            self.graphs[b] = self._capture_one(self._decode_forward(b))
+            if b == SHORT_DECODE["batch"]:
+                self.short_graphs[b] = self._capture_one(self._decode_forward(
+                    b, splits=SHORT_DECODE["splits"], block_n=SHORT_DECODE["block_n"]))
         self._capture_prefill(max_prefill_tokens)
         self._build_attention_plans(max_prefill_tokens)
         torch.cuda.synchronize(dev)
@@ -179,6 +183,12 @@ class ModelRunner:
         if shared_pool:
             self._mempool = self._mempool or graph.pool()
         return graph, out
+
+    def _decode_forward(self, b: int, splits: int | None = None, block_n: int | None = None):
+        """The batch-b decode step over the static buffers (attention as the arguments say), logits out."""
+        batch = AttentionBatch(self.pool.k, self.pool.v, self.static_slots[:b], False, self.static_tables[:b],
+                               self.static_lens[:b], decode_splits=splits, decode_block_n=block_n)
+        return lambda: self.model.compute_logits(self.model(self.static_ids[:b], self.static_pos[:b], batch))
 
     def _gemv_keys(self) -> list[tuple]:
         """The decode step's GEMV shapes (the linear layers whose inputs the kernel takes), largest first."""
@@ -204,13 +214,10 @@ class ModelRunner:
         self.static_pos[0] = context - 1
         self.static_lens[0] = context
         self.static_tables[0, :-(-context // bs)] = torch.arange(-(-context // bs), dtype=torch.int32)
-        batch = AttentionBatch(self.pool.k, self.pool.v, self.static_slots[:1], False, self.static_tables[:1],
-                               self.static_lens[:1])
+        forward = self._decode_forward(1)
 
         def step_ms() -> float:
-            graph, _ = self._capture_one(
-                lambda: self.model.compute_logits(self.model(self.static_ids[:1], self.static_pos[:1], batch)),
-                shared_pool=False)
+            graph, _ = self._capture_one(forward, shared_pool=False)
             for _ in range(3):
                 graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -267,12 +274,14 @@ class ModelRunner:
         stage[2, n:b] = -1
         lens[n:b] = 0
         ahead = int(ahead_tokens is not None)
+        longest = 0
         for i, seq in enumerate(seqs):
             pos = seq.num_tokens - 1 + ahead
             stage[0, i] = seq.last_token
             stage[1, i] = pos
             stage[2, i] = seq.block_table.slot(pos)
             lens[i] = pos + 1
+            longest = max(longest, pos + 1)
             self._sync_table_row(i, seq, tables)
         if ahead_tokens is None:
             self.static_ids[:b].copy_(stage[0, :b], non_blocking=True)
@@ -282,7 +291,8 @@ class ModelRunner:
         self.static_pos[:b].copy_(stage[1, :b], non_blocking=True)
         self.static_slots[:b].copy_(stage[2, :b], non_blocking=True)
         self.static_lens[:b].copy_(lens[:b], non_blocking=True)
-        graph, logits = self.graphs[b]
+        short = b in self.short_graphs and longest <= SHORT_DECODE["max_context"]
+        graph, logits = (self.short_graphs if short else self.graphs)[b]
         graph.replay()
         return logits[:n]
 

@@ -127,7 +127,7 @@ def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           splits: int | None = None, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                           splits: int | None = None, block_n: int | None = None, num_warps: int = NUM_WARPS,
                            num_stages: int = NUM_STAGES) -> torch.Tensor:
     """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 (0 for a padded row, which then gets zeros) -> [B, H, D]."""
@@ -135,6 +135,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = n_heads // n_kv_heads
     splits = splits or default_splits(batch, n_kv_heads, _sm_count(q.device))
+    block_n = block_n or BLOCK_N
     acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(batch, n_kv_heads, splits)](

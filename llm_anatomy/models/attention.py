@@ -27,6 +27,9 @@ class AttentionBatch:
     query_lens: tuple[int, ...] = ()  # prefill only: new tokens per sequence, in order
     prefix_lens: tuple[int, ...] = ()  # prefill only: tokens already cached before this step
     num_decodes: int = 0  # prefill only: the first num_decodes sequences forward one token each (decodes)
+    # The fast path's decode attention: context splits and tile, None for its defaults (see runner.SHORT_DECODE)
+    decode_splits: int | None = None
+    decode_block_n: int | None = None
 
     @classmethod
     def fresh_prompt(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> "AttentionBatch":

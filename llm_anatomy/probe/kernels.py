@@ -70,7 +70,7 @@ REPLAY_NOTE = ("Kernel times come from a profiled replay of the prompt (prefill 
 def eager_launches(engine: Engine):
     """Run the engine without its CUDA graphs and without programmatic dependent launch, then restore both."""
     runner = engine.runner
-    graphs, prefill_graphs = runner.graphs, runner.prefill_graphs
+    graphs, prefill_graphs = runner.graphs, runner.prefill_graphs  # short_graphs: only used with graphs
     pdl = None
     if engine.pdl:
         from ..kernels.pdl import PDL
