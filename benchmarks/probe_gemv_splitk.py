@@ -6,7 +6,8 @@ o_proj grid is 128 programs, one per SM and four SMs idle. Here each program tak
 partial sums go to a workspace, and the last program to arrive on an N tile (an atomic counter, acq_rel) adds
 them, writes the output and resets the counter, so one kernel does it all and a CUDA graph can replay it.
 
-For each projection shape: the engine's GEMV (autotuned) and every split-K variant, each over 36 layers'
+For each projection shape: the engine's GEMV (at its untuned default tile, since nothing here tunes it; this
+probe ran on the autotuned kernel of the fourth session) and every split-K variant, each over 36 layers'
 weights in one CUDA graph with programmatic dependent launch as the engine runs it, checked against F.linear.
 
     python3 benchmarks/probe_gemv_splitk.py --out $OUT/gemv_splitk.json

@@ -33,7 +33,8 @@ class Tile:
 # kernel's tail overlaps the next one's start), not on the kernel timed alone: on the H200, Triton's autotuner
 # picked tiles that made the Qwen3-8B step up to 0.58 ms slower than the best ones found inside the step
 # (benchmarks/probe_decode_parts.py). So the runner tunes each shape inside the captured step at start-up
-# (engine/tuning.py) among these candidates, every one of which was within 0.1 ms of a shape's best there.
+# (engine/tuning.py) among these candidates: the tiles that came within 0.1 ms of a shape's best step there, and
+# two-warp variants of them (two warps won for two shapes).
 CANDIDATE_TILES = [Tile(bn, bk, w, s) for bn, bk, w, s in (
     (32, 512, 4, 4), (16, 256, 2, 4), (32, 256, 4, 5), (64, 256, 4, 4), (32, 512, 8, 4), (32, 256, 4, 4),
     (64, 128, 4, 5), (32, 128, 2, 4), (64, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 4), (32, 128, 4, 3),
