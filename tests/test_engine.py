@@ -187,3 +187,20 @@ def test_prefill_graph_buckets_cover_every_whole_prompt_with_bounded_padding():
         bucket = min(t for t in sizes if t >= n)
         assert n <= 512 or (bucket - n) / n < 0.25
     assert 2048 in sizes
+
+
+def test_engine_runs_without_triton(save_tiny):
+    """Triton is not a dependency (a CPU install has none): the engine, its runner and the CLI must import and
+    generate without it, on the PyTorch path."""
+    import subprocess
+    import sys
+
+    directory, _ = save_tiny()
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, llm_anatomy.cli\n"
+            "from llm_anatomy import Engine\n"
+            f"e = Engine.from_pretrained({str(directory)!r}, device='cpu', dtype=torch.float32, kv_cache_tokens=64)\n"
+            "out = e.generate(prompt_token_ids=[1, 2, 3], temperature=0, max_tokens=3, ignore_eos=True)\n"
+            "assert len(out.output_token_ids) == 3 and not e.fast_path\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

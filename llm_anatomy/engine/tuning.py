@@ -12,13 +12,25 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..disk_cache import cache_file, read_entries, write_entry
-from ..kernels.gemv import CANDIDATE_TILES, Tile
+
+if TYPE_CHECKING:  # the kernels need Triton, which an engine without the fast path may not have
+    from ..kernels.gemv import Tile
 
 CACHE_FORMAT = 1
+
+
+def _candidates(candidates: Sequence[Tile] | None) -> Sequence[Tile]:
+    if candidates is not None:
+        return candidates
+    from ..kernels.gemv import CANDIDATE_TILES
+
+    return CANDIDATE_TILES
 
 
 @dataclass
@@ -31,7 +43,7 @@ class TileTuning:
 
 
 def coordinate_descent(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callable[[], float],
-                       candidates: Sequence[Tile] = CANDIDATE_TILES) -> float:
+                       candidates: Sequence[Tile] | None = None) -> float:
     """Tune tiles[key] for each key in order, the others held; returns the last best step time. A candidate
     that cannot run here (a kernel needing more shared memory than there is) is skipped."""
     from triton.runtime.errors import OutOfResources
@@ -39,7 +51,7 @@ def coordinate_descent(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms:
     best_ms = float("inf")
     for key in keys:
         best: tuple[Tile, float] | None = None
-        for tile in candidates:
+        for tile in _candidates(candidates):
             tiles[key] = tile
             try:
                 ms = step_ms()
@@ -65,8 +77,11 @@ def _entry_key(key: tuple) -> str:
 
 
 def cached_tiles(device_key: str, pdl: bool, keys: Sequence[tuple], cache_dir: str | os.PathLike | None = None,
-                 candidates: Sequence[Tile] = CANDIDATE_TILES) -> dict[tuple, Tile]:
+                 candidates: Sequence[Tile] | None = None) -> dict[tuple, Tile]:
     """The tiles stored for these shapes on this device (only the shapes found, only valid candidates)."""
+    from ..kernels.gemv import Tile
+
+    candidates = _candidates(candidates)
     entry = read_entries(cache_file("gemv_tiles.json", cache_dir), CACHE_FORMAT).get(_cache_key(device_key, pdl), {})
     found = {}
     for key in keys:
@@ -87,10 +102,8 @@ def store_tiles(device_key: str, pdl: bool, tiles: dict[tuple, Tile], cache_dir:
 
 def tune_tiles(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callable[[], float], device_key: str,
                pdl: bool, cache_dir: str | os.PathLike | None = None,
-               candidates: Sequence[Tile] = CANDIDATE_TILES) -> TileTuning:
+               candidates: Sequence[Tile] | None = None) -> TileTuning:
     """Read the keys' tiles from the cache; tune those missing (largest first, as given) and store them."""
-    import warnings
-
     start = time.perf_counter()
     found = cached_tiles(device_key, pdl, keys, cache_dir, candidates)
     tiles.update(found)
