@@ -204,3 +204,25 @@ def test_engine_runs_without_triton(save_tiny):
             "assert len(out.output_token_ids) == 3 and not e.fast_path\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_engine_never_imports_the_probe():
+    """The README's promise: the engine calls observer hooks and knows nothing of the probe, so that with no
+    observer attached it does no measuring work (an import inside a function counts too)."""
+    import ast
+    from pathlib import Path
+
+    import llm_anatomy
+
+    root = Path(llm_anatomy.__file__).parent
+    for package in ("engine", "models", "kernels"):
+        for path in (root / package).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                assert not any(n == "probe" or n.startswith("probe.") or "llm_anatomy.probe" in n for n in names), \
+                    f"{path.name} imports the probe"

@@ -2,7 +2,7 @@
 last token.
 
 On CUDA, decode steps replay CUDA graphs: one per batch-size bucket (batch 1 has a second for short contexts,
-see SHORT_DECODE), captured once at start-up over fixed input buffers (sharing one memory pool), so a step is
+see SHORT_CONTEXT), captured once at start-up over fixed input buffers (sharing one memory pool), so a step is
 a handful of small copies and one launch instead of hundreds of kernel launches from Python. Rows past the
 batch in a bucket are padding: slot -1 (nothing is stored) and context 0 (nothing is read).
 """
@@ -18,7 +18,7 @@ from ..models.attention import AttentionBatch, prefill_attention, prefill_bucket
 from ..models.qwen3 import Qwen3ForCausalLM
 from .kv_cache import KVCachePool
 from .scheduler import ScheduledBatch, Sequence
-from .tuning import TileTuning, tune_tiles
+from .tuning import TileTuning, device_tag, tune_tiles
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # A prompt's prefill launches ~450 kernels, and eagerly the host falls behind the device in the first layers.
@@ -28,10 +28,10 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, 2049)}))
 # A single sequence's decode attention splits its context over 33 programs per KV head (enough to read a 32k
 # context at full bandwidth); at short contexts most of them find nothing to do and still cost the step, as
-# does merging 33 partials. So batch 1 has a second decode graph for contexts up to `max_context`, with 16
+# does merging 33 partials. So batch 1 has a second decode graph for contexts up to SHORT_CONTEXT, with 16
 # splits of 64-token tiles: 4.21 against 4.31 ms a step at 128 tokens, 4.25 against 4.34 at 1024, 4.34
 # against 4.38 at 2048 (benchmarks/probe_decode_attention.py, Qwen3-8B on the H200).
-SHORT_DECODE = dict(max_context=2048, batch=1, splits=16, block_n=64)
+SHORT_CONTEXT, SHORT_SPLITS, SHORT_BLOCK_N = 2048, 16, 64
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
@@ -46,7 +46,7 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.short_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # see SHORT_DECODE
+        self.short_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch 1 only: see SHORT_CONTEXT
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_bytes = 0
         self.capture_seconds = 0.0
@@ -135,7 +135,7 @@ class ModelRunner:
     def capture(self, max_batch: int, max_model_len: int, max_prefill_tokens: int) -> None:
         """Capture one decode graph per batch bucket up to max_batch (largest first, so smaller ones reuse
         its memory), and the prefill graphs a whole prompt of up to max_prefill_tokens can replay. Warm-up runs
-        before each capture compile and tune the kernels outside the graph (`capture_seconds` counts it all)."""
+        before each capture compile the kernels outside the graph (`capture_seconds` counts it all)."""
         start = time.perf_counter()
         sizes = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch})
         self.max_graph_batch = sizes[-1]
@@ -158,9 +158,8 @@ class ModelRunner:
         self.tile_tuning = self._tune_gemv_tiles()
         for b in reversed(sizes):
             self.graphs[b] = self._capture_one(self._decode_forward(b))
-            if b == SHORT_DECODE["batch"]:
-                self.short_graphs[b] = self._capture_one(self._decode_forward(
-                    b, splits=SHORT_DECODE["splits"], block_n=SHORT_DECODE["block_n"]))
+            if b == 1:
+                self.short_graphs[b] = self._capture_one(self._decode_forward(b, SHORT_SPLITS, SHORT_BLOCK_N))
         self._capture_prefill(max_prefill_tokens)
         self._build_attention_plans(max_prefill_tokens)
         torch.cuda.synchronize(dev)
@@ -207,7 +206,6 @@ class ModelRunner:
         up to 512 tokens (whatever the KV pool holds; nothing is stored), or read from the cache."""
         from ..kernels import gemv
         from ..kernels.pdl import PDL
-        from ..probe.ceilings import device_key
 
         bs = self.pool.block_size
         context = min(512, self.pool.num_blocks * bs, self.static_tables.shape[1] * bs)
@@ -229,7 +227,7 @@ class ModelRunner:
             return start.elapsed_time(end) / 10
 
         try:
-            return tune_tiles(self._gemv_keys(), gemv.TILES, step_ms, device_key(self.device), PDL.on)
+            return tune_tiles(self._gemv_keys(), gemv.TILES, step_ms, device_tag(self.device), PDL.on)
         finally:
             self.static_pos.zero_()
             self.static_lens.zero_()
@@ -291,7 +289,7 @@ class ModelRunner:
         self.static_pos[:b].copy_(stage[1, :b], non_blocking=True)
         self.static_slots[:b].copy_(stage[2, :b], non_blocking=True)
         self.static_lens[:b].copy_(lens[:b], non_blocking=True)
-        short = b in self.short_graphs and longest <= SHORT_DECODE["max_context"]
+        short = b in self.short_graphs and longest <= SHORT_CONTEXT
         graph, logits = (self.short_graphs if short else self.graphs)[b]
         graph.replay()
         return logits[:n]

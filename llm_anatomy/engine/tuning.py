@@ -5,7 +5,7 @@ while this one drains, and the weights come cold from HBM every step. Timed alon
 picks varied from process to process and cost the Qwen3-8B step up to 0.58 ms on the H200. So each shape is
 tuned by coordinate descent on the real thing: for each candidate tile, the batch-1 decode step is captured
 and replayed, and the fastest step wins; shapes go largest first, each tuned with the others at their best so
-far. The choice is stored per device, driver, torch and Triton version, and a later start-up reads it back.
+far. The choice is stored per GPU model, CUDA, torch and Triton version, and a later start-up reads it back.
 """
 
 from __future__ import annotations
@@ -65,10 +65,17 @@ def coordinate_descent(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms:
     return best_ms
 
 
-def _cache_key(device_key: str, pdl: bool) -> str:
+def device_tag(device) -> str:
+    """What tiles are kept for: the GPU model and the CUDA and torch builds (Triton's version is added below)."""
+    import torch
+
+    return f"{torch.cuda.get_device_name(device)} | cuda {torch.version.cuda} | torch {torch.__version__}"
+
+
+def _cache_key(device: str, pdl: bool) -> str:
     import triton
 
-    return f"{device_key} | triton {triton.__version__} | pdl {'on' if pdl else 'off'}"
+    return f"{device} | triton {triton.__version__} | pdl {'on' if pdl else 'off'}"
 
 
 def _entry_key(key: tuple) -> str:
@@ -76,13 +83,13 @@ def _entry_key(key: tuple) -> str:
     return f"{n}x{k}{' gated' if gated else ''} {dtype}"
 
 
-def cached_tiles(device_key: str, pdl: bool, keys: Sequence[tuple], cache_dir: str | os.PathLike | None = None,
+def cached_tiles(device: str, pdl: bool, keys: Sequence[tuple], cache_dir: str | os.PathLike | None = None,
                  candidates: Sequence[Tile] | None = None) -> dict[tuple, Tile]:
     """The tiles stored for these shapes on this device (only the shapes found, only valid candidates)."""
     from ..kernels.gemv import Tile
 
     candidates = _candidates(candidates)
-    entry = read_entries(cache_file("gemv_tiles.json", cache_dir), CACHE_FORMAT).get(_cache_key(device_key, pdl), {})
+    entry = read_entries(cache_file("gemv_tiles.json", cache_dir), CACHE_FORMAT).get(_cache_key(device, pdl), {})
     found = {}
     for key in keys:
         value = entry.get(_entry_key(key))
@@ -92,27 +99,27 @@ def cached_tiles(device_key: str, pdl: bool, keys: Sequence[tuple], cache_dir: s
     return found
 
 
-def store_tiles(device_key: str, pdl: bool, tiles: dict[tuple, Tile], cache_dir: str | os.PathLike | None = None):
+def store_tiles(device: str, pdl: bool, tiles: dict[tuple, Tile], cache_dir: str | os.PathLike | None = None):
     path = cache_file("gemv_tiles.json", cache_dir)
-    cache_key = _cache_key(device_key, pdl)
+    cache_key = _cache_key(device, pdl)
     entry = read_entries(path, CACHE_FORMAT).get(cache_key, {})
     entry.update({_entry_key(k): [t.block_n, t.block_k, t.num_warps, t.num_stages] for k, t in tiles.items()})
     return write_entry(path, CACHE_FORMAT, cache_key, entry)
 
 
-def tune_tiles(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callable[[], float], device_key: str,
+def tune_tiles(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callable[[], float], device: str,
                pdl: bool, cache_dir: str | os.PathLike | None = None,
                candidates: Sequence[Tile] | None = None) -> TileTuning:
     """Read the keys' tiles from the cache; tune those missing (largest first, as given) and store them."""
     start = time.perf_counter()
-    found = cached_tiles(device_key, pdl, keys, cache_dir, candidates)
+    found = cached_tiles(device, pdl, keys, cache_dir, candidates)
     tiles.update(found)
     missing = [k for k in keys if k not in found]
     if not missing:
         return TileTuning({k: tiles[k] for k in keys}, "cache", time.perf_counter() - start)
     ms = coordinate_descent(missing, tiles, step_ms, candidates)
     try:
-        store_tiles(device_key, pdl, {k: tiles[k] for k in keys}, cache_dir)
+        store_tiles(device, pdl, {k: tiles[k] for k in keys}, cache_dir)
     except OSError as e:  # a cache that cannot be written costs the next start-up a tuning, nothing more
         warnings.warn(f"could not save the GEMV tiles: {e}", stacklevel=2)
     return TileTuning({k: tiles[k] for k in keys}, "tuned", time.perf_counter() - start, ms)
