@@ -444,13 +444,25 @@ def render_tables(results: dict) -> str:
     return "\n".join(lines) if len(lines) > 2 else "(no section with a target ran)"
 
 
-def section_list(text: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in ALL]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown section {', '.join(unknown) or '(none given)'}; "
-                                         f"pick from {','.join(ALL)}")
-    return names
+def names_from(allowed, what: str):
+    """An argparse type: a comma-separated list of names from `allowed`, refused with the choices otherwise."""
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or '(none given)'}; "
+                                             f"pick from {','.join(allowed)}")
+        return names
+    return parse
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"want a positive whole number, got {text!r}")
+    return int(text)
+
+
+section_list = names_from(ALL, "section")
 
 
 def main(argv: list[str] | None = None):

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 import triton
 
-from bench_h200 import make_engine
+from bench_h200 import make_engine, names_from, positive_int
 from llm_anatomy.kernels import decode_attention as da
 from llm_anatomy.kernels.pdl import PDL
 from llm_anatomy.models import qwen3
-from llm_anatomy.models.attention import AttentionBatch
-from probe_decode_parts import step_ms
+from probe_decode_parts import decode_forward, step_ms
+from probe_new_length import prompt_lengths
 
 
 def split_only(q, k_cache, v_cache, tables, lens, scale, splits=None, block_n=da.BLOCK_N):
@@ -57,36 +57,28 @@ VARIANTS = {
 }
 
 
-def forward_at(engine, context: int):
-    runner = engine.runner
-    blocks = -(-context // engine.block_size)
-    runner.static_ids[:1] = 1
-    runner.static_pos[:1] = context - 1
-    runner.static_slots[:1] = -1
-    runner.static_lens[:1] = context
-    runner.static_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32)
-    batch = AttentionBatch(runner.pool.k, runner.pool.v, runner.static_slots[:1], False, runner.static_tables[:1],
-                           runner.static_lens[:1])
-    model = runner.model
-    return lambda: model.compute_logits(model(runner.static_ids[:1], runner.static_pos[:1], batch))
+MAX_CONTEXT = 36864
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--contexts", default="128,512,2048,8192,32768")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--contexts", type=prompt_lengths, default=[128, 512, 2048, 8192, 32768])
+    parser.add_argument("--variants", type=names_from(list(VARIANTS), "variant"), default=list(VARIANTS))
     args = parser.parse_args(argv)
-    engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=36864, max_num_seqs=1, max_model_len=36864)
+    if max(args.contexts) > MAX_CONTEXT:
+        parser.error(f"--contexts: at most {MAX_CONTEXT} tokens (the KV pool this probe allocates)")
+    engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=MAX_CONTEXT, max_num_seqs=1,
+                         max_model_len=MAX_CONTEXT)
     real = qwen3.paged_decode_attention
     out = {}
     with torch.inference_mode():
-        for context in map(int, args.contexts.split(",")):
-            forward = forward_at(engine, context)
+        for context in args.contexts:
+            forward = decode_forward(engine, context)
             times = defaultdict(list)
             for _ in range(args.rounds):
-                for name in args.variants.split(","):
+                for name in args.variants:
                     qwen3.paged_decode_attention = VARIANTS[name]
                     try:
                         times[name].append(step_ms(engine, forward, iters=30))

@@ -23,27 +23,24 @@ from pathlib import Path
 
 import torch
 
-from bench_h200 import cuda_ms, make_engine, one_prefill_ms
+from bench_h200 import cuda_ms, make_engine, names_from, one_prefill_ms, positive_int
 from llm_anatomy.kernels import gemv as gemv_module
 from llm_anatomy.models import qwen3
-from llm_anatomy.models.attention import AttentionBatch
 from llm_anatomy.probe.kernels import categorize
 
 CONTEXT = 512
 
 
-def decode_forward(engine):
+def decode_forward(engine, context: int = CONTEXT):
+    """The engine's batch-1 decode step at `context` tokens (nothing stored), over the graphs' static inputs."""
     runner = engine.runner
-    blocks = CONTEXT // engine.block_size
+    blocks = -(-context // engine.block_size)
     runner.static_ids[:1] = 1
-    runner.static_pos[:1] = CONTEXT - 1
-    runner.static_slots[:1] = CONTEXT - 1
-    runner.static_lens[:1] = CONTEXT
+    runner.static_pos[:1] = context - 1
+    runner.static_slots[:1] = -1
+    runner.static_lens[:1] = context
     runner.static_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32)
-    batch = AttentionBatch(runner.pool.k, runner.pool.v, runner.static_slots[:1], False, runner.static_tables[:1],
-                           runner.static_lens[:1])
-    model = runner.model
-    return lambda: model.compute_logits(model(runner.static_ids[:1], runner.static_pos[:1], batch))
+    return runner._decode_forward(1)
 
 
 def step_ms(engine, forward, iters: int = 40) -> float:
@@ -149,17 +146,20 @@ def prefill_profile(engine, n: int = 2048) -> dict:
             "top": [(name[:100], round(t, 3), c) for name, (t, c) in top]}
 
 
+PARTS = ["knockout", "tiles", "prefill"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
-    parser.add_argument("--parts", default="knockout,tiles,prefill")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--parts", type=names_from(PARTS, "part"), default=PARTS)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     args = parser.parse_args(argv)
     ctx = {"model": "Qwen/Qwen3-8B"}
     engine = make_engine(ctx, kv_cache_tokens=8192, max_num_seqs=1, max_model_len=4096)
     print(f"load {ctx['engine_load_s']:.1f} s", flush=True)
     out = {}
-    parts = args.parts.split(",")
+    parts = args.parts
     with torch.inference_mode():
         if "knockout" in parts:
             out["knockout"] = knockout(engine, args.rounds)

@@ -43,15 +43,7 @@ def _gemv_tma_kernel(x_ptr, w_desc, y_ptr, M, N, stride_xm, stride_ym, K: tl.con
         acc += tl.dot(x, tl.trans(w_desc.load([n0, k0])))
         if GATED:
             acc_up += tl.dot(x, tl.trans(w_desc.load([N + n0, k0])))
-    dtype = y_ptr.dtype.element_ty
-    rn = n0 + tl.arange(0, BLOCK_N)
-    if GATED:
-        g = acc.to(dtype).to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
-        y = (s * acc_up.to(dtype).to(tl.float32)).to(dtype)
-    else:
-        y = acc.to(dtype)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    gemv_module.store_rows(y_ptr, acc, acc_up, rm, n0 + tl.arange(0, BLOCK_N), M, N, stride_ym, GATED)
 
 
 TMA_PICK: dict[tuple, tuple] = {}  # tile_key -> TMA tile; shapes not in it run the engine's kernel

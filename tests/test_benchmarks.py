@@ -71,3 +71,20 @@ def test_bad_sections_and_lengths_are_refused_before_any_work(capsys, monkeypatc
             probe.main(["--lengths", bad])
         assert e.value.code == 2 and "positive token counts" in capsys.readouterr().err
     assert probe.prompt_lengths("1025,3001") == [1025, 3001]
+
+
+def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, monkeypatch):
+    import pytest
+
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    parts, attention = load_bench("probe_decode_parts"), load_bench("probe_decode_attention")
+    for main, argv, message in (
+            (parts.main, ["--parts", "tiles,nope"], "unknown part nope; pick from knockout,tiles,prefill"),
+            (parts.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
+            (attention.main, ["--variants", "engine,bn999"], "unknown variant bn999"),
+            (attention.main, ["--contexts", "512,x"], "positive token counts"),
+            (attention.main, ["--contexts", "40000"], "at most 36864 tokens")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv

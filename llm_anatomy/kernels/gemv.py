@@ -79,8 +79,15 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
             u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    store_rows(y_ptr, acc, acc_up, rm, rn, M, N, stride_ym, GATED)
+
+
+@triton.jit
+def store_rows(y_ptr, acc, acc_up, rm, rn, M, N, stride_ym, GATED: tl.constexpr):
+    """The epilogue: y = acc, or with GATED SiLU(acc) * acc_up, rounded as HF rounds each projection, SiLU's
+    output and the product to the model dtype."""
     dtype = y_ptr.dtype.element_ty
-    if GATED:  # HF rounds each projection, SiLU's output and the product to the model dtype
+    if GATED:
         g = acc.to(dtype).to(tl.float32)
         s = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
         y = (s * acc_up.to(dtype).to(tl.float32)).to(dtype)
