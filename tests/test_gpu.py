@@ -10,20 +10,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    import os
-
     from llm_anatomy import Engine
 
-    cache = tmp_path_factory.mktemp("xdg")
-    old, os.environ["XDG_CACHE_HOME"] = os.environ.get("XDG_CACHE_HOME"), str(cache)  # tune, don't read back
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))  # tune the tiles, don't read them back
         yield Engine.from_pretrained("Qwen/Qwen3-0.6B", device="cuda", weights="synthetic", max_model_len=4096,
                                      kv_cache_tokens=16384, max_num_seqs=4)
-    finally:
-        if old is None:
-            os.environ.pop("XDG_CACHE_HOME")
-        else:
-            os.environ["XDG_CACHE_HOME"] = old
 
 
 def compiled_kernels() -> int:
