@@ -155,6 +155,18 @@ def test_gemv_every_candidate_tile(monkeypatch):
     assert grids == [(5,), (-(-80 // DEFAULT_TILE[w.element_size()].block_n),)]
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_prefetched_weight_tiles(dtype, prefetch):
+    """Weight tiles loaded before the wait on the previous kernel enter the sum once, as the others do."""
+    from llm_anatomy.kernels.gemv import Tile
+
+    x, w = rand(3, 1024, dtype=dtype), rand(160, 1024, seed=1, dtype=dtype)
+    for tile in (Tile(16, 128, 4, 3, prefetch), Tile(32, 256, 4, 3, prefetch)):
+        assert rel(gemv(x, w[:80], tile=tile), F.linear(x, w[:80])) < TOL[dtype], tile
+        assert rel(gemv(x, w, gated=True, tile=tile), silu_mul_reference(F.linear(x, w))) < TOL[dtype], tile
+
+
 GEMV_SHAPES = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
                    head_dim=32)  # every projection's K a multiple of 512: decode steps run on the GEMV kernel
 

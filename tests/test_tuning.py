@@ -2,6 +2,7 @@
 later start-up the tuning. The step time is a made-up function of the tiles here; on a GPU it is the
 captured decode step's (tests/test_gpu.py)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -11,34 +12,44 @@ pytest.importorskip("triton")
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from llm_anatomy.engine.tuning import cached_tiles, coordinate_descent, tune_tiles  # noqa: E402
-from llm_anatomy.kernels.gemv import CANDIDATE_TILES, Tile  # noqa: E402
+from llm_anatomy.kernels.gemv import CANDIDATE_TILES, Tile, prefetch_variants  # noqa: E402
 
 QKV, DOWN = (6144, 4096, False, "bfloat16"), (4096, 12288, False, "bfloat16")
 CANDIDATES = [Tile(16, 256, 4, 4), Tile(32, 256, 4, 4), Tile(32, 512, 4, 4), Tile(64, 128, 2, 4)]
 
 
 def fake_step(tiles, calls, too_big=()):
-    """A step whose time each shape's tile sets: qkv is fastest at 32x256, down at 32x512; a tile in
-    too_big does not fit in shared memory."""
+    """A step whose time each shape's tile sets: qkv is fastest at 32x256, down at 32x512 reading two K tiles
+    ahead of the wait (prefetch 2); a tile in too_big does not fit in shared memory."""
     best = {QKV: Tile(32, 256, 4, 4), DOWN: Tile(32, 512, 4, 4)}
+
+    def cost(key, tile):
+        base = dataclasses.replace(tile, prefetch=0)
+        ahead = -0.05 if key == DOWN and tile.prefetch == 2 else 0.0
+        return ahead + (0.0 if base == best[key] else 0.1 * (1 + CANDIDATES.index(base)))
 
     def step_ms():
         calls.append(dict(tiles))
         if any(t in too_big for t in tiles.values()):
             raise OutOfResources(245760, 232448, "shared memory")
-        return 4.0 + sum(0.0 if tiles.get(k) == b else 0.1 * (1 + CANDIDATES.index(tiles[k])) for k, b in best.items()
-                         if k in tiles)
+        return 4.0 + sum(cost(k, tiles[k]) for k in best if k in tiles)
 
     return step_ms
+
+
+TUNED = {DOWN: Tile(32, 512, 4, 4, prefetch=2), QKV: Tile(32, 256, 4, 4)}
+CALLS = 2 * (len(CANDIDATES) + 2)  # per shape: the candidates, then the best one's two prefetch variants
 
 
 def test_coordinate_descent_picks_each_shapes_fastest_tile_and_skips_what_cannot_run():
     tiles, calls = {}, []
     ms = coordinate_descent([DOWN, QKV], tiles, fake_step(tiles, calls, too_big={Tile(64, 128, 2, 4)}), CANDIDATES)
-    assert tiles == {DOWN: Tile(32, 512, 4, 4), QKV: Tile(32, 256, 4, 4)}
-    assert ms == pytest.approx(4.0)
-    assert len(calls) == 2 * len(CANDIDATES)
-    assert all(c[DOWN] == Tile(32, 512, 4, 4) for c in calls[len(CANDIDATES):])  # the first shape held at its best
+    assert tiles == TUNED  # a prefetch variant kept only where it is faster
+    assert ms == pytest.approx(3.95)
+    assert len(calls) == CALLS
+    assert [c[DOWN] for c in calls[len(CANDIDATES):len(CANDIDATES) + 2]] == [
+        Tile(32, 512, 4, 4, prefetch=1), Tile(32, 512, 4, 4, prefetch=2)]  # the variants of the best candidate
+    assert all(c[DOWN] == TUNED[DOWN] for c in calls[len(CANDIDATES) + 2:])  # the first shape held at its best
 
 
 def test_coordinate_descent_refuses_a_shape_no_tile_runs():
@@ -51,8 +62,8 @@ def test_tuned_tiles_are_cached_per_device_and_pdl(tmp_path):
     device = "cuda | NVIDIA H200 | driver 580 | cuda 13.0 | torch 2.11"
     tiles, calls = {}, []
     first = tune_tiles([DOWN, QKV], tiles, fake_step(tiles, calls), device, True, tmp_path, CANDIDATES)
-    assert first.source == "tuned" and first.tiles == {DOWN: Tile(32, 512, 4, 4), QKV: Tile(32, 256, 4, 4)}
-    assert first.step_ms == pytest.approx(4.0) and len(calls) == 2 * len(CANDIDATES)
+    assert first.source == "tuned" and first.tiles == TUNED
+    assert first.step_ms == pytest.approx(3.95) and len(calls) == CALLS
 
     tiles, calls = {}, []  # a later start-up on the same device: read back, nothing timed
     again = tune_tiles([DOWN, QKV], tiles, fake_step(tiles, calls), device, True, tmp_path, CANDIDATES)
@@ -66,7 +77,7 @@ def test_tuned_tiles_are_cached_per_device_and_pdl(tmp_path):
     tiles, calls = {}, []  # a new shape tunes that shape only; the others come from the cache
     new = (151936, 4096, False, "bfloat16")
     third = tune_tiles([new, QKV], tiles, fake_step(tiles, calls), device, True, tmp_path, CANDIDATES)
-    assert third.source == "tuned" and len(calls) == len(CANDIDATES) and all(c[QKV] == first.tiles[QKV] for c in calls)
+    assert third.source == "tuned" and len(calls) == CALLS // 2 and all(c[QKV] == first.tiles[QKV] for c in calls)
 
 
 def test_a_damaged_or_foreign_cache_entry_is_not_used(tmp_path):
@@ -74,12 +85,22 @@ def test_a_damaged_or_foreign_cache_entry_is_not_used(tmp_path):
     path = tmp_path / "gemv_tiles.json"
     path.write_text("{not json")
     assert cached_tiles(device, True, [QKV], tmp_path, CANDIDATES) == {}
-    entry = {"6144x4096 bfloat16": [32, 256, 4, 4], "4096x12288 bfloat16": [32, 1024, 4, 4]}  # not a candidate
-    path.write_text(json.dumps({"format": 1, "entries": {f"{device} | triton {_triton()} | pdl on": entry}}))
-    assert cached_tiles(device, True, [QKV, DOWN], tmp_path, CANDIDATES) == {QKV: Tile(32, 256, 4, 4)}
-    entry["6144x4096 bfloat16"] = [32, 256, 4, "4"]
-    path.write_text(json.dumps({"format": 1, "entries": {f"{device} | triton {_triton()} | pdl on": entry}}))
-    assert cached_tiles(device, True, [QKV], tmp_path, CANDIDATES) == {}
+    entry = {"6144x4096 bfloat16": [32, 256, 4, 4, 1], "4096x12288 bfloat16": [32, 1024, 4, 4, 0]}  # not a candidate
+    key = f"{device} | triton {_triton()} | pdl on"
+    path.write_text(json.dumps({"format": 2, "entries": {key: entry}}))
+    assert cached_tiles(device, True, [QKV, DOWN], tmp_path, CANDIDATES) == {QKV: Tile(32, 256, 4, 4, prefetch=1)}
+    for bad in ([32, 256, 4, "4", 0], [32, 256, 4, 4, 3], [32, 256, 4, 4]):  # a string, no such prefetch, too short
+        entry["6144x4096 bfloat16"] = bad
+        path.write_text(json.dumps({"format": 2, "entries": {key: entry}}))
+        assert cached_tiles(device, True, [QKV], tmp_path, CANDIDATES) == {}, bad
+    path.write_text(json.dumps({"format": 1, "entries": {key: {"6144x4096 bfloat16": [32, 256, 4, 4]}}}))
+    assert cached_tiles(device, True, [QKV], tmp_path, CANDIDATES) == {}  # the format before prefetch: tuned again
+
+
+def test_prefetch_variants_leave_a_k_tile_for_the_loop():
+    assert prefetch_variants(Tile(32, 256, 4, 4), 4096) == [Tile(32, 256, 4, 4, 1), Tile(32, 256, 4, 4, 2)]
+    assert prefetch_variants(Tile(16, 512, 2, 4), 1024) == [Tile(16, 512, 2, 4, 1)]
+    assert str(Tile(16, 512, 2, 4, 2)) == "N16_K512_w2_s4_p2"
 
 
 def test_candidate_tiles_fit_every_decode_shape():

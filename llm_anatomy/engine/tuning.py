@@ -4,8 +4,8 @@ A GEMV's best tile depends on what runs around it: with programmatic dependent l
 while this one drains, and the weights come cold from HBM every step. Timed alone (Triton's autotuner), the
 picks varied from process to process and cost the Qwen3-8B step up to 0.58 ms on the H200. So each shape is
 tuned by coordinate descent on the real thing: for each candidate tile, the batch-1 decode step is captured
-and replayed, and the fastest step wins; shapes go largest first, each tuned with the others at their best so
-far. The choice is stored per GPU model, CUDA, torch and Triton version, and a later start-up reads it back.
+and replayed, and the fastest step wins; then the winner with weights read ahead of the PDL wait
+(gemv.prefetch_variants) is tried. Shapes go largest first, each tuned with the others at their best so far. The choice is stored per GPU model, CUDA, torch and Triton version, and a later start-up reads it back.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..disk_cache import cache_file, read_entries, write_entry
 if TYPE_CHECKING:  # the kernels need Triton, which an engine without the fast path may not have
     from ..kernels.gemv import Tile
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # entries [block_n, block_k, num_warps, num_stages, prefetch]
 
 
 def _candidates(candidates: Sequence[Tile] | None) -> Sequence[Tile]:
@@ -44,14 +44,15 @@ class TileTuning:
 
 def coordinate_descent(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callable[[], float],
                        candidates: Sequence[Tile] | None = None) -> float:
-    """Tune tiles[key] for each key in order, the others held; returns the last best step time. A candidate
-    that cannot run here (a kernel needing more shared memory than there is) is skipped."""
+    """Tune tiles[key] for each key in order, the others held: the best candidate, then the best of it and its
+    prefetch variants; returns the last best step time. A tile that cannot run here (a kernel needing more
+    shared memory than there is) is skipped."""
     from triton.runtime.errors import OutOfResources
 
-    best_ms = float("inf")
-    for key in keys:
-        best: tuple[Tile, float] | None = None
-        for tile in _candidates(candidates):
+    from ..kernels.gemv import prefetch_variants
+
+    def fastest(key, tried: Sequence[Tile], best: tuple[Tile, float] | None) -> tuple[Tile, float] | None:
+        for tile in tried:
             tiles[key] = tile
             try:
                 ms = step_ms()
@@ -59,9 +60,14 @@ def coordinate_descent(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms:
                 continue
             if best is None or ms < best[1]:
                 best = (tile, ms)
+        return best
+
+    best_ms = float("inf")
+    for key in keys:
+        best = fastest(key, _candidates(candidates), None)
         if best is None:
             raise RuntimeError(f"no candidate GEMV tile runs for shape {key}")
-        tiles[key], best_ms = best
+        tiles[key], best_ms = fastest(key, prefetch_variants(best[0], key[1]), best)
     return best_ms
 
 
@@ -86,15 +92,15 @@ def _entry_key(key: tuple) -> str:
 def cached_tiles(device: str, pdl: bool, keys: Sequence[tuple], cache_dir: str | os.PathLike | None = None,
                  candidates: Sequence[Tile] | None = None) -> dict[tuple, Tile]:
     """The tiles stored for these shapes on this device (only the shapes found, only valid candidates)."""
-    from ..kernels.gemv import Tile
+    from ..kernels.gemv import PREFETCH_CHOICES, Tile
 
     candidates = _candidates(candidates)
     entry = read_entries(cache_file("gemv_tiles.json", cache_dir), CACHE_FORMAT).get(_cache_key(device, pdl), {})
     found = {}
     for key in keys:
         value = entry.get(_entry_key(key))
-        if isinstance(value, list) and len(value) == 4 and all(type(v) is int for v in value) \
-                and Tile(*value) in candidates:
+        if isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value) \
+                and Tile(*value[:4]) in candidates and value[4] in (0, *PREFETCH_CHOICES):
             found[key] = Tile(*value)
     return found
 
@@ -103,7 +109,8 @@ def store_tiles(device: str, pdl: bool, tiles: dict[tuple, Tile], cache_dir: str
     path = cache_file("gemv_tiles.json", cache_dir)
     cache_key = _cache_key(device, pdl)
     entry = read_entries(path, CACHE_FORMAT).get(cache_key, {})
-    entry.update({_entry_key(k): [t.block_n, t.block_k, t.num_warps, t.num_stages] for k, t in tiles.items()})
+    entry.update({_entry_key(k): [t.block_n, t.block_k, t.num_warps, t.num_stages, t.prefetch]
+                  for k, t in tiles.items()})
     return write_entry(path, CACHE_FORMAT, cache_key, entry)
 
 

@@ -8,7 +8,7 @@ rows of both, so the output is SiLU(gate) * up directly: the MLP's activation co
 round trip through memory.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -24,9 +24,11 @@ class Tile:
     block_k: int
     num_warps: int
     num_stages: int
+    prefetch: int = 0  # K tiles of weights read before waiting for the kernel before (PDL): see PREFETCH_CHOICES
 
     def __str__(self) -> str:
-        return f"N{self.block_n}_K{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+        name = f"N{self.block_n}_K{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+        return name + (f"_p{self.prefetch}" if self.prefetch else "")
 
 
 # The best tile of a shape depends on its neighbours in the decode step (with programmatic dependent launch a
@@ -43,6 +45,17 @@ CANDIDATE_TILES = [Tile(bn, bk, w, s) for bn, bk, w, s in (
 # shapes in bf16; float32's twice-as-large tiles need a shallower pipeline to fit in shared memory.
 DEFAULT_TILE = {2: Tile(32, 256, 4, 4), 4: Tile(16, 256, 4, 3)}
 TILES: dict[tuple, Tile] = {}  # tile_key -> the tile tuned for it in this process
+# A GEMV's weights do not depend on the kernel before it, so its first K tiles can be read before its PDL wait,
+# while that kernel finishes. Start-up tries these on each shape's best tile. On the H200 (Qwen3-8B), two tiles
+# ahead took a chain of gate_ups from 69.7 to 56.8 us each; tuned with them in the step, gate_up took two and
+# qkv one, and the step went from 4.254 to 4.228 ms (benchmarks/probe_gemv_overlap.py). Elsewhere it lost
+# (o_proj 10.4 -> 15.3 us with two), hence tried per shape, not set.
+PREFETCH_CHOICES = (1, 2)
+
+
+def prefetch_variants(tile: Tile, k: int) -> list[Tile]:
+    """The tile reading its first 1 or 2 K tiles of weights before the wait, where K has more than that."""
+    return [replace(tile, prefetch=p) for p in PREFETCH_CHOICES if k // tile.block_k > p]
 
 
 def tile_key(n: int, k: int, gated: bool, dtype: torch.dtype) -> tuple:
@@ -60,18 +73,29 @@ def _dot(x, w, IEEE: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])  # the row count changes with the batch; compiling per count is waste
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
                  K: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
-                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    gdc_enter(USE_PDL)
+                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_PAD)
-    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    if PREFETCH > 0:  # the weights do not depend on the kernel before: start reading them while it finishes
+        rp = tl.arange(0, PREFETCH * BLOCK_K)
+        wp_ptrs = w_ptr + rn[:, None] * stride_wn + rp[None, :]
+        w_first = tl.load(wp_ptrs, mask=rn[:, None] < N, other=0.0)
+        if GATED:
+            u_first = tl.load(wp_ptrs + N * stride_wn, mask=rn[:, None] < N, other=0.0)
+    gdc_enter(USE_PDL)
+    if PREFETCH > 0:
+        x_first = tl.load(x_ptr + rm[:, None] * stride_xm + rp[None, :], mask=rm[:, None] < M, other=0.0)
+        acc += _dot(x_first, w_first, IEEE)
+        if GATED:
+            acc_up += _dot(x_first, u_first, IEEE)
+    rk = PREFETCH * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
     u_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows sit N rows below the gate rows
-    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    for _ in range(0, K // BLOCK_K):
+    for _ in range(PREFETCH, K // BLOCK_K):
         x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
         acc += _dot(x, tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0), IEEE)
         if GATED:
@@ -109,7 +133,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tile: Tile 
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k, M_PAD=16, GATED=gated,
         IEEE=x.dtype == torch.float32, USE_PDL=PDL.on, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        launch_pdl=PDL.on, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        PREFETCH=tile.prefetch, launch_pdl=PDL.on, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 
