@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from bench_h200 import make_engine, names_from, positive_int
 from llm_anatomy.kernels import decode_attention as da
@@ -25,9 +26,10 @@ from probe_decode_parts import decode_forward, step_ms
 from probe_new_length import prompt_lengths
 
 
-def split_only(q, k_cache, v_cache, tables, lens, scale, splits=None, block_n=da.BLOCK_N):
+def split_only(q, k_cache, v_cache, tables, lens, scale, splits=None, block_n=None):
     """The first kernel alone (the merge left out): what the attention would cost without a second launch."""
     batch, n_heads, head_dim = q.shape
+    block_n = block_n or da.BLOCK_N
     n_kv, page = k_cache.shape[2], k_cache.shape[1]
     splits = splits or da.default_splits(batch, n_kv, torch.cuda.get_device_properties(q.device).multi_processor_count)
     acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -40,21 +42,33 @@ def split_only(q, k_cache, v_cache, tables, lens, scale, splits=None, block_n=da
     return q
 
 
+def variant(fn=None, **fixed):
+    """The attention as the step calls it (with the graph's splits and tile), those given here taking over."""
+    fn = fn or da.paged_decode_attention
+    return lambda *a, splits=None, block_n=None: fn(*a, **{"splits": splits, "block_n": block_n, **fixed})
+
+
 VARIANTS = {
-    "engine": lambda *a: da.paged_decode_attention(*a),
-    "bn64": lambda *a: da.paged_decode_attention(*a, block_n=64),
-    "splits8": lambda *a: da.paged_decode_attention(*a, splits=8),
-    "splits16": lambda *a: da.paged_decode_attention(*a, splits=16),
-    "splits4": lambda *a: da.paged_decode_attention(*a, splits=4),
-    "bn64_splits4": lambda *a: da.paged_decode_attention(*a, splits=4, block_n=64),
-    "bn64_splits8": lambda *a: da.paged_decode_attention(*a, splits=8, block_n=64),
-    "bn64_splits16": lambda *a: da.paged_decode_attention(*a, splits=16, block_n=64),
-    "bn32_splits8": lambda *a: da.paged_decode_attention(*a, splits=8, block_n=32),
-    "no_merge": lambda *a: split_only(*a),
-    "one_split_no_merge": lambda *a: split_only(*a, splits=1),
-    "one_split_no_merge_bn64": lambda *a: split_only(*a, splits=1, block_n=64),
-    "none": lambda q, *a: q,
+    "engine": variant(),
+    "bn64": variant(block_n=64),
+    "splits8": variant(splits=8),
+    "splits16": variant(splits=16),
+    "splits4": variant(splits=4),
+    "bn64_splits4": variant(splits=4, block_n=64),
+    "bn64_splits8": variant(splits=8, block_n=64),
+    "bn64_splits16": variant(splits=16, block_n=64),
+    "bn32_splits8": variant(splits=8, block_n=32),
+    "no_merge": variant(split_only),
+    "one_split_no_merge": variant(split_only, splits=1),
+    "one_split_no_merge_bn64": variant(split_only, splits=1, block_n=64),
+    "none": lambda q, *a, **kw: q,
 }
+# Pipelining and warps, for the long contexts (where the cache's bytes dominate): sNwM = num_stages N, num_warps M.
+for _bn in (64, 128):
+    for _splits in (None, 16, 24):
+        for _stages, _warps in ((2, 8), (3, 4), (3, 8), (4, 4)):
+            VARIANTS[f"bn{_bn}_splits{_splits or 'default'}_s{_stages}w{_warps}"] = variant(
+                splits=_splits, block_n=_bn, num_stages=_stages, num_warps=_warps)
 
 
 MAX_CONTEXT = 36864
@@ -82,9 +96,11 @@ def main(argv=None):
                     qwen3.paged_decode_attention = VARIANTS[name]
                     try:
                         times[name].append(step_ms(engine, forward, iters=30))
+                    except OutOfResources:  # the tile does not fit in shared memory
+                        pass
                     finally:
                         qwen3.paged_decode_attention = real
-            out[context] = {name: statistics.median(t) for name, t in times.items()}
+            out[context] = {name: statistics.median(t) for name, t in times.items() if t}
             print(context, {k: round(v, 4) for k, v in out[context].items()}, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -15,6 +15,7 @@ the real step?  Three parts, one engine (synthetic Qwen3-8B), all on the H200:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import types
@@ -63,12 +64,25 @@ def no_attention(q, *args, **kwargs):
     return q
 
 
+FAKES = {"norm": types.SimpleNamespace(rmsnorm=no_norm), "qk_norm_rope_store": no_rope,
+         "paged_decode_attention": no_attention}
+
+
+@contextlib.contextmanager
+def fakes_for(families):
+    """The model's kernel families named (keys of FAKES) replaced by no-ops inside the block."""
+    real = {key: getattr(qwen3, key) for key in FAKES}
+    for key in families:
+        setattr(qwen3, key, FAKES[key])
+    try:
+        yield
+    finally:
+        for key, value in real.items():
+            setattr(qwen3, key, value)
+
+
 def knockout(engine, rounds: int) -> dict:
     forward = decode_forward(engine)
-    real = {"norm": qwen3.norm, "qk_norm_rope_store": qwen3.qk_norm_rope_store,
-            "paged_decode_attention": qwen3.paged_decode_attention}
-    fakes = {"norm": types.SimpleNamespace(rmsnorm=no_norm), "qk_norm_rope_store": no_rope,
-             "paged_decode_attention": no_attention}
     variants = {"full": [], "no_norms": ["norm"], "no_rope": ["qk_norm_rope_store"],
                 "no_attention": ["paged_decode_attention"],
                 "no_rope_no_attention": ["qk_norm_rope_store", "paged_decode_attention"],
@@ -76,13 +90,8 @@ def knockout(engine, rounds: int) -> dict:
     times = defaultdict(list)
     for _ in range(rounds):
         for name, off in variants.items():
-            for key in off:
-                setattr(qwen3, key, fakes[key])
-            try:
+            with fakes_for(off):
                 times[name].append(step_ms(engine, forward))
-            finally:
-                for key, value in real.items():
-                    setattr(qwen3, key, value)
     out = {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
     full = out["full"]["ms"]
     for name in out:

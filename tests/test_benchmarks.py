@@ -79,7 +79,10 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, monkeypatch)
     pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     parts, attention = load_bench("probe_decode_parts"), load_bench("probe_decode_attention")
+    overlap, blas = load_bench("probe_gemv_overlap"), load_bench("probe_blas")
     for main, argv, message in (
+            (overlap.main, ["--sections", "chain,nope"], "unknown section nope"),
+            (blas.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
             (parts.main, ["--parts", "tiles,nope"], "unknown part nope; pick from knockout,tiles,prefill"),
             (parts.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
             (attention.main, ["--variants", "engine,bn999"], "unknown variant bn999"),
@@ -88,3 +91,30 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, monkeypatch)
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_overlap_probes_gemv_variants_compute_the_same_product(monkeypatch):
+    """The no-wait clone of the GEMV kernel (timing only on a GPU, where it skips the PDL wait) and the prefetch
+    variants give F.linear's product where nothing runs before them; the tiles are restored afterwards."""
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    pytest.importorskip("triton")
+    from llm_anatomy.kernels import gemv as gemv_module
+    from llm_anatomy.kernels import use_kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not use_kernels(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    overlap = load_bench("probe_gemv_overlap")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 1024, generator=g).to(device), torch.randn(64, 1024, generator=g).to(device)
+    key = gemv_module.tile_key(64, 1024, False, w.dtype)
+    monkeypatch.setitem(gemv_module.TILES, key, gemv_module.Tile(16, 256, 4, 3))
+    kernel = gemv_module._gemv_kernel
+    for name, variant in overlap.variants().items():
+        with variant:
+            assert (gemv_module.gemv(x, w) - F.linear(x, w)).abs().max() < 1e-3, name
+        assert gemv_module.TILES[key] == gemv_module.Tile(16, 256, 4, 3) and gemv_module._gemv_kernel is kernel
