@@ -118,3 +118,26 @@ def test_overlap_probes_gemv_variants_compute_the_same_product(monkeypatch):
         with variant:
             assert (gemv_module.gemv(x, w) - F.linear(x, w)).abs().max() < 1e-3, name
         assert gemv_module.TILES[key] == gemv_module.Tile(16, 256, 4, 3) and gemv_module._gemv_kernel is kernel
+
+
+def test_persistent_mlp_probe_kernel_matches_torch(monkeypatch):
+    """The persistent MLP kernel's layers, blocks and read-ahead tiles against torch (float32). Under the
+    interpreter, programs run one after another, so one program does all the work (its barriers pass at once);
+    the grid-wide barriers themselves are checked on the H200 against the engine's kernels (the probe's output)."""
+    import pytest
+    import torch
+
+    pytest.importorskip("triton")
+    from llm_anatomy.kernels import use_kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not use_kernels(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    probe = load_bench("probe_persistent_mlp")
+    for hidden, inter, layers, tile in (
+            (32, 96, 2, dict(bn1=16, bk1=16, bn2=32, bk2=32, pre1=2, pre2=1, warps=4, stages=3)),
+            (64, 256, 3, dict(bn1=32, bk1=32, bn2=64, bk2=64, pre1=1, pre2=2, warps=4, stages=3))):
+        assert probe.check(device, hidden, inter, layers, 1, tile) < 1e-4
+    with pytest.raises(AssertionError, match="read ahead within K"):
+        probe.check(device, 32, 96, 1, 1, dict(bn1=16, bk1=32, bn2=32, bk2=32, pre1=2, pre2=1, warps=4, stages=3))
