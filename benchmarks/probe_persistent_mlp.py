@@ -83,7 +83,6 @@ def _mlp_persistent_kernel(x_ptr, wgu_ptr, wd_ptr, act_ptr, counter_ptr, flag_pt
     rp2 = tl.arange(0, PRE2 * BK2)
     rn1 = pid * BN1 + tl.arange(0, BN1)  # this CTA's first gate_up block
     rn2 = pid * BN2 + tl.arange(0, BN2)  # its down block
-    has_down = pid < H // BN2
     arrived = 0
     # the first layer's first gate_up tiles: nothing to wait for yet
     g_first = tl.load(wgu_ptr + rn1[:, None] * H + rp1[None, :])
@@ -104,11 +103,11 @@ def _mlp_persistent_kernel(x_ptr, wgu_ptr, wd_ptr, act_ptr, counter_ptr, flag_pt
             _gated_block(x_ptr, wgu, act_ptr, blk, zero, zero, 0, H, I, M_PAD, BN1, BK1)
             blk += grid
         _arrive(counter_ptr)  # arrive first, then read ahead while the others finish
-        d_first = tl.load(wd + rn2[:, None] * I + rp2[None, :], mask=has_down, other=0.0)
+        d_first = tl.load(wd + rn2[:, None] * I + rp2[None, :], mask=rn2[:, None] < H, other=0.0)
         arrived += grid
         _wait(counter_ptr, arrived, flag_ptr, MAX_SPIN)
         # down: one block per CTA, its first tiles read before the barrier
-        if has_down:
+        if pid < H // BN2:  # this CTA has a down block
             a_first = tl.load(act_ptr + rm[:, None] * I + rp2[None, :], mask=rm[:, None] < 1, other=0.0,
                               cache_modifier=".cg")
             acc2 = tl.dot(a_first, tl.trans(d_first))
