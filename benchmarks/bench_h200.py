@@ -477,9 +477,8 @@ def main(argv: list[str] | None = None):
     ctx = {"model": args.model}
     results = {}
     for name in args.sections:
-        # What the sections before left (HF models, logits) is collected, and what lives on is frozen, as `call`
-        # and `serve` freeze start-up's heap: else a collection of it lands in some timed step. In run 20 the
-        # decode TPOT after the correctness section was 4.31 ms for a median step of 4.20; alone, 4.19 and 4.19.
+        # What the sections before left (HF models, logits) is collected and what lives on is frozen, as `call`
+        # and `serve` freeze start-up's heap, so that no collection of it lands in a timed step.
         gc.collect()
         gc.freeze()
         t = time.perf_counter()

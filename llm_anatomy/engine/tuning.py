@@ -5,7 +5,8 @@ while this one drains, and the weights come cold from HBM every step. Timed alon
 picks varied from process to process and cost the Qwen3-8B step up to 0.58 ms on the H200. So each shape is
 tuned by coordinate descent on the real thing: for each candidate tile, the batch-1 decode step is captured
 and replayed, and the fastest step wins; then the winner with weights read ahead of the PDL wait
-(gemv.prefetch_variants) is tried. Shapes go largest first, each tuned with the others at their best so far. The choice is stored per GPU model, CUDA, torch and Triton version, and a later start-up reads it back.
+(gemv.prefetch_variants) is tried. Shapes go largest first, each tuned with the others at their best so far.
+The choice is stored per GPU model, CUDA, torch and Triton version, and a later start-up reads it back.
 """
 
 from __future__ import annotations
