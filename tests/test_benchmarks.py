@@ -1,12 +1,38 @@
 """The H200 benchmark scripts' parts that need no GPU: the summary table, rendered from a results dict like the
-one bench_h200.py writes, and the split-K GEMV candidate's correctness (under Triton's interpreter)."""
+one bench_h200.py writes, the probes' argument checks, and their kernels' correctness (under Triton's
+interpreter)."""
 
 import importlib.util
 from pathlib import Path
 
 
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def kernel_device():
+    """The device the Triton kernels run on here (CUDA, or the CPU under TRITON_INTERPRET=1), else a skip."""
+    pytest.importorskip("triton")
+    from llm_anatomy.kernels import use_kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not use_kernels(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    return device
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """Loads a benchmarks/ script that imports its sibling scripts (bench_h200, ...)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return load_bench
+
+
 def load_bench(name: str = "bench_h200"):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = BENCHMARKS / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -38,25 +64,15 @@ def test_render_tables_targets_ratios_and_protocol():
     assert bench.render_tables({}) == "(no section with a target ran)"
 
 
-def test_splitk_gemv_candidate_is_exact_and_leaves_its_counters_at_zero():
-    import pytest
-    import torch
-
-    pytest.importorskip("triton")
-    from llm_anatomy.kernels import use_kernels
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not use_kernels(device):
-        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_splitk_gemv_candidate_is_exact_and_leaves_its_counters_at_zero(kernel_device):
+    device = kernel_device
     probe = load_bench("probe_gemv_splitk")
     errors = probe.check(device, torch.float32, {"small": (96, 1024)}, [(2, 16, 128, 3), (4, 32, 256, 3)])
     assert max(errors.values()) < 1e-4, errors  # run twice each: a counter left non-zero would corrupt the second
     assert all(int(c.abs().sum()) == 0 for c in probe._COUNTERS.values())
 
 
-def test_bad_sections_and_lengths_are_refused_before_any_work(capsys, monkeypatch):
-    import pytest
-
+def test_bad_sections_and_lengths_are_refused_before_any_work(capsys, probes):
     bench = load_bench()
     for argv, message in ((["--sections", "ours,nope"], "unknown section nope"),
                           (["--sections", ","], "unknown section (none given)")):
@@ -64,8 +80,7 @@ def test_bad_sections_and_lengths_are_refused_before_any_work(capsys, monkeypatc
             bench.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
     assert bench.section_list("env,ours") == ["env", "ours"]
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    probe = load_bench("probe_new_length")
+    probe = probes("probe_new_length")
     for bad in ("10,x", "0", ""):
         with pytest.raises(SystemExit) as e:
             probe.main(["--lengths", bad])
@@ -73,13 +88,10 @@ def test_bad_sections_and_lengths_are_refused_before_any_work(capsys, monkeypatc
     assert probe.prompt_lengths("1025,3001") == [1025, 3001]
 
 
-def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, monkeypatch):
-    import pytest
-
+def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
     pytest.importorskip("triton")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    parts, attention = load_bench("probe_decode_parts"), load_bench("probe_decode_attention")
-    overlap, blas = load_bench("probe_gemv_overlap"), load_bench("probe_blas")
+    parts, attention = probes("probe_decode_parts"), probes("probe_decode_attention")
+    overlap, blas = probes("probe_gemv_overlap"), probes("probe_blas")
     for main, argv, message in (
             (overlap.main, ["--sections", "chain,nope"], "unknown section nope"),
             (blas.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
@@ -93,22 +105,14 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, monkeypatch)
         assert e.value.code == 2 and message in capsys.readouterr().err, argv
 
 
-def test_overlap_probes_gemv_variants_compute_the_same_product(monkeypatch):
+def test_overlap_probes_gemv_variants_compute_the_same_product(kernel_device, probes, monkeypatch):
     """The no-wait clone of the GEMV kernel (timing only on a GPU, where it skips the PDL wait) and the prefetch
     variants give F.linear's product where nothing runs before them; the tiles are restored afterwards."""
-    import pytest
-    import torch
     import torch.nn.functional as F
 
-    pytest.importorskip("triton")
     from llm_anatomy.kernels import gemv as gemv_module
-    from llm_anatomy.kernels import use_kernels
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not use_kernels(device):
-        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    overlap = load_bench("probe_gemv_overlap")
+    device, overlap = kernel_device, probes("probe_gemv_overlap")
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, 1024, generator=g).to(device), torch.randn(64, 1024, generator=g).to(device)
     key = gemv_module.tile_key(64, 1024, False, w.dtype)
@@ -120,21 +124,11 @@ def test_overlap_probes_gemv_variants_compute_the_same_product(monkeypatch):
         assert gemv_module.TILES[key] == gemv_module.Tile(16, 256, 4, 3) and gemv_module._gemv_kernel is kernel
 
 
-def test_persistent_mlp_probe_kernel_matches_torch(monkeypatch):
+def test_persistent_mlp_probe_kernel_matches_torch(kernel_device, probes):
     """The persistent MLP kernel's layers, blocks and read-ahead tiles against torch (float32). Under the
     interpreter, programs run one after another, so one program does all the work (its barriers pass at once);
     the grid-wide barriers themselves are checked on the H200 against the engine's kernels (the probe's output)."""
-    import pytest
-    import torch
-
-    pytest.importorskip("triton")
-    from llm_anatomy.kernels import use_kernels
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not use_kernels(device):
-        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    probe = load_bench("probe_persistent_mlp")
+    device, probe = kernel_device, probes("probe_persistent_mlp")
     for hidden, inter, layers, tile in (
             (32, 96, 2, dict(bn1=16, bk1=16, bn2=32, bk2=32, pre1=2, pre2=1, warps=4, stages=3)),
             (64, 256, 3, dict(bn1=32, bk1=32, bn2=64, bk2=64, pre1=1, pre2=2, warps=4, stages=3))):
