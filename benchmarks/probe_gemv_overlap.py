@@ -74,17 +74,14 @@ class Variant:
             gemv_module._gemv_kernel = self.kernel
         if self.prefetch is not None:
             for key, tile in self.saved[1].items():
-                gemv_module.TILES[key] = fit_prefetch(tile, key[1], self.prefetch)
+                # the tile's variant reading that many K tiles ahead (none where K is too short for it)
+                gemv_module.TILES[key] = next((t for t in gemv_module.prefetch_variants(tile, key[1])
+                                               if t.prefetch == self.prefetch), tile)
 
     def __exit__(self, *exc):
         gemv_module._gemv_kernel = self.saved[0]
         gemv_module.TILES.clear()
         gemv_module.TILES.update(self.saved[1])
-
-
-def fit_prefetch(tile, k: int, prefetch: int):
-    """The tile with `prefetch` K tiles loaded before the wait, where K has that many."""
-    return dataclasses.replace(tile, prefetch=prefetch if k // tile.block_k >= prefetch else 0)
 
 
 def variants() -> dict[str, Variant]:
