@@ -89,10 +89,16 @@ def test_a_damaged_or_foreign_cache_entry_is_not_used(tmp_path):
     key = f"{device} | triton {_triton()} | pdl on"
     path.write_text(json.dumps({"format": 2, "entries": {key: entry}}))
     assert cached_tiles(device, True, [QKV, DOWN], tmp_path, CANDIDATES) == {QKV: Tile(32, 256, 4, 4, prefetch=1)}
-    for bad in ([32, 256, 4, "4", 0], [32, 256, 4, 4, 3], [32, 256, 4, 4]):  # a string, no such prefetch, too short
+    # a string, no such prefetch, too short
+    for bad in ([32, 256, 4, "4", 0], [32, 256, 4, 4, 3], [32, 256, 4, 4], [32, 256, 4, 4, -1]):
         entry["6144x4096 bfloat16"] = bad
         path.write_text(json.dumps({"format": 2, "entries": {key: entry}}))
         assert cached_tiles(device, True, [QKV], tmp_path, CANDIDATES) == {}, bad
+    small = (512, 1024, False, "bfloat16")  # K = 1024 holds two 512-wide K tiles: one may be read ahead, not two
+    path.write_text(json.dumps({"format": 2, "entries": {key: {"512x1024 bfloat16": [32, 512, 4, 4, 2]}}}))
+    assert cached_tiles(device, True, [small], tmp_path, CANDIDATES) == {}
+    path.write_text(json.dumps({"format": 2, "entries": {key: {"512x1024 bfloat16": [32, 512, 4, 4, 1]}}}))
+    assert cached_tiles(device, True, [small], tmp_path, CANDIDATES) == {small: Tile(32, 512, 4, 4, 1)}
     path.write_text(json.dumps({"format": 1, "entries": {key: {"6144x4096 bfloat16": [32, 256, 4, 4]}}}))
     assert cached_tiles(device, True, [QKV], tmp_path, CANDIDATES) == {}  # the format before prefetch: tuned again
 

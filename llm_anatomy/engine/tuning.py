@@ -92,17 +92,19 @@ def _entry_key(key: tuple) -> str:
 
 def cached_tiles(device: str, pdl: bool, keys: Sequence[tuple], cache_dir: str | os.PathLike | None = None,
                  candidates: Sequence[Tile] | None = None) -> dict[tuple, Tile]:
-    """The tiles stored for these shapes on this device (only the shapes found, only valid candidates)."""
-    from ..kernels.gemv import PREFETCH_CHOICES, Tile
+    """The tiles stored for these shapes on this device (only the shapes found; only candidates, or their
+    prefetch variants for the shape's K)."""
+    from ..kernels.gemv import Tile, prefetch_variants
 
     candidates = _candidates(candidates)
     entry = read_entries(cache_file("gemv_tiles.json", cache_dir), CACHE_FORMAT).get(_cache_key(device, pdl), {})
     found = {}
     for key in keys:
         value = entry.get(_entry_key(key))
-        if isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value) \
-                and Tile(*value[:4]) in candidates and value[4] in (0, *PREFETCH_CHOICES):
-            found[key] = Tile(*value)
+        if isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value):
+            tile, base = Tile(*value), Tile(*value[:4])
+            if base in candidates and (tile == base or tile in prefetch_variants(base, key[1])):
+                found[key] = tile
     return found
 
 
