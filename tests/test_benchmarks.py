@@ -92,7 +92,9 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
     pytest.importorskip("triton")
     parts, attention = probes("probe_decode_parts"), probes("probe_decode_attention")
     overlap, blas = probes("probe_gemv_overlap"), probes("probe_blas")
+    persistent = probes("probe_persistent_mlp")
     for main, argv, message in (
+            (persistent.main, ["--layers", "0"], "want a positive whole number, got '0'"),
             (overlap.main, ["--sections", "chain,nope"], "unknown section nope"),
             (blas.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
             (parts.main, ["--parts", "tiles,nope"], "unknown part nope; pick from knockout,tiles,prefill"),
