@@ -53,13 +53,21 @@ def launch_only(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+def clone_kernel(kernel, **replaced):
+    """The jitted kernel compiled again with some of its module's globals replaced (e.g. gdc_enter)."""
+    fn = kernel.fn
+    clone = types.FunctionType(fn.__code__, dict(fn.__globals__, **replaced), fn.__name__, fn.__defaults__,
+                               fn.__closure__)
+    clone.__annotations__ = fn.__annotations__  # the constexpr parameters
+    # the original's specialisation (the interpreter keeps its jit keywords in .kwargs)
+    jit = {k: getattr(kernel, k, None) or getattr(kernel, "kwargs", {}).get(k) or []
+           for k in ("do_not_specialize", "do_not_specialize_on_alignment")}
+    return triton.jit(clone, **jit)
+
+
 def no_wait_kernel():
     """The engine's GEMV kernel compiled with launch_only in place of gdc_enter."""
-    fn = gemv_module._gemv_kernel.fn
-    clone = types.FunctionType(fn.__code__, dict(fn.__globals__, gdc_enter=launch_only), fn.__name__,
-                               fn.__defaults__, fn.__closure__)
-    clone.__annotations__ = fn.__annotations__  # the constexpr parameters
-    return triton.jit(clone, do_not_specialize=["M"])
+    return clone_kernel(gemv_module._gemv_kernel, gdc_enter=launch_only)
 
 
 class Variant:
