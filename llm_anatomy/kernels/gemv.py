@@ -25,11 +25,10 @@ class Tile:
     num_warps: int
     num_stages: int
     prefetch: int = 0  # K tiles of weights read before waiting for the kernel before (PDL): see PREFETCH_CHOICES
-    l2: int = 0  # K tiles after those that each program asks into L2 before that wait: see L2_CHOICES
 
     def __str__(self) -> str:
         name = f"N{self.block_n}_K{self.block_k}_w{self.num_warps}_s{self.num_stages}"
-        return name + (f"_p{self.prefetch}" if self.prefetch else "") + (f"_l{self.l2}" if self.l2 else "")
+        return name + (f"_p{self.prefetch}" if self.prefetch else "")
 
 
 # The best tile of a shape depends on its neighbours in the decode step (with programmatic dependent launch a
@@ -71,20 +70,10 @@ def _dot(x, w, IEEE: tl.constexpr):
     return tl.dot(x, tl.trans(w))
 
 
-@triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """Ask for nbytes at each pointer to be brought into L2 (sm_90 bulk prefetch), not waiting for them; where
-    nbytes is 0, nothing. It holds no registers or shared memory, so it costs a waiting program nothing."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])  # the row count changes with the batch; compiling per count is waste
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
                  K: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
-                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                 L2_TILES: tl.constexpr = 0):
+                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_PAD)
@@ -96,13 +85,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
         w_first = tl.load(wp_ptrs, mask=rn[:, None] < N, other=0.0)
         if GATED:
             u_first = tl.load(wp_ptrs + N * stride_wn, mask=rn[:, None] < N, other=0.0)
-    if L2_TILES > 0:  # the next tiles, into L2 only: one bulk prefetch per row and tile
-        rl = (PREFETCH + tl.arange(0, L2_TILES)) * BLOCK_K
-        l2_ptrs = w_ptr + rn[:, None] * stride_wn + rl[None, :]
-        l2_bytes = tl.where((rn[:, None] < N) & (rl[None, :] < K), BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8, 0)
-        _prefetch_l2(l2_ptrs, l2_bytes)
-        if GATED:
-            _prefetch_l2(l2_ptrs + N * stride_wn, l2_bytes)
     gdc_enter(USE_PDL)
     if PREFETCH > 0:
         x_first = tl.load(x_ptr + rm[:, None] * stride_xm + rp[None, :], mask=rm[:, None] < M, other=0.0)
@@ -151,7 +133,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tile: Tile 
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k, M_PAD=16, GATED=gated,
         IEEE=x.dtype == torch.float32, USE_PDL=PDL.on, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PREFETCH=tile.prefetch, L2_TILES=tile.l2, launch_pdl=PDL.on, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        PREFETCH=tile.prefetch, launch_pdl=PDL.on, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 
