@@ -102,10 +102,15 @@ def test_qk_norm_rope_store(norm, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits,block_n", [(1, 16), (3, 16), (8, 16), (16, 64), (None, None)])  # None: defaults
-def test_paged_decode_attention(dtype, splits, block_n):
+# None: defaults; 40 splits: a merge of several warps (decode_attention.merge_warps)
+@pytest.mark.parametrize("splits,block_n", [(1, 16), (3, 16), (8, 16), (16, 64), (40, 16), (None, None)])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_paged_decode_attention(dtype, splits, block_n, head_major):
     heads, kv_heads, d, page, pages = 8, 2, 32, 4, 40
     k_cache, v_cache = rand(pages, page, kv_heads, d, dtype=dtype), rand(pages, page, kv_heads, d, dtype=dtype, seed=1)
+    if head_major:  # the same values stored [kv_heads, pages, page, d]: the kernel reads through the strides
+        k_cache, v_cache = (c.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for c in (k_cache, v_cache))
+        assert k_cache.stride(2) == pages * page * d
     perm = torch.randperm(pages, generator=torch.Generator().manual_seed(0))
     context = [1, 37, 100, 0]  # 0: a padded row of a graph batch
     tables = torch.zeros(4, 25, dtype=torch.int32)

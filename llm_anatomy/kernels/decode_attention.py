@@ -26,15 +26,24 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
 
 
+def merge_warps(splits_pad: int, head_dim: int) -> int:
+    """The merge kernel's warps: a program holds splits x head_dim float32 partial sums, at most 128 a thread.
+    One warp for 33 splits spilled them: on the H200, 36 layers of attention at 32k took 1.541 ms with one
+    warp and 1.456 with two; with 66 splits one warp took 2.79 ms and four 1.58
+    (benchmarks/probe_kv_layout.py)."""
+    return max(1, min(8, splits_pad * head_dim // (32 * 128)))
+
+
 @triton.jit
-def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, row, page_size,
+def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot, stride_head,
+                 page_size,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     d = tl.arange(0, HEAD_DIM)
     tok = n0 + tl.arange(0, BLOCK_N)
     valid = tok < end
     page = tl.load(table_ptr + b * stride_tb + tok // page_size, mask=valid, other=0)
     slot = page.to(tl.int64) * page_size + tok % page_size
-    offs = slot[:, None] * row + kvh * HEAD_DIM + d[None, :]
+    offs = slot[:, None] * stride_slot + kvh * stride_head + d[None, :]
     k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
     v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
     if IEEE:  # float32 caches: exact products, not TF32
@@ -57,7 +66,7 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
 # specialising on them, so that an eager step of a new shape does not compile a kernel.
 @triton.jit(do_not_specialize=["stride_tb", "splits"], do_not_specialize_on_alignment=["table_ptr", "ctx_ptr"])
 def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
-                  stride_qb, stride_qh, stride_tb, n_kv_heads, page_size, splits,
+                  stride_qb, stride_qh, stride_tb, stride_slot, stride_head, n_kv_heads, page_size, splits,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                   IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     gdc_enter(USE_PDL)
@@ -77,17 +86,16 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    row = n_kv_heads * HEAD_DIM
     if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
         n0 = start
         while n0 < end:
-            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, row,
-                                     page_size, HEAD_DIM, BLOCK_N, IEEE)
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot,
+                                     stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, row,
-                                     page_size, HEAD_DIM, BLOCK_N, IEEE)
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot,
+                                     stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
     # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
     base = (b * n_kv_heads * GROUP + heads) * splits + s
     tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
@@ -129,10 +137,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            splits: int | None = None, block_n: int | None = None, num_warps: int = NUM_WARPS,
                            num_stages: int = NUM_STAGES) -> torch.Tensor:
-    """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D]; block_tables [B, max_pages] int32;
+    """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D] (any strides that keep slots flat); block_tables [B, max_pages] int32;
     context_lens [B] int32 (0 for a padded row, which then gets zeros) -> [B, H, D]."""
     batch, n_heads, head_dim = q.shape
     n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    # slots are flat (page x page_size + position); any order of the head and slot dimensions is read
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K and V caches laid out alike"
+    assert k_cache.stride(0) == page_size * k_cache.stride(1), "a page's positions one slot stride apart"
     group = n_heads // n_kv_heads
     splits = splits or default_splits(batch, n_kv_heads, _sm_count(q.device))
     block_n = block_n or BLOCK_N
@@ -140,11 +151,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
-        block_tables.stride(0), n_kv_heads, page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET,
         USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
+    splits_pad = max(2, triton.next_power_of_2(splits))
     _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,
-                                    SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim,
-                                    USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=1)
+                                    SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, USE_PDL=PDL.on, launch_pdl=PDL.on,
+                                    num_warps=merge_warps(splits_pad, head_dim))
     return out
