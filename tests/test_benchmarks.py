@@ -92,9 +92,13 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
     pytest.importorskip("triton")
     parts, attention = probes("probe_decode_parts"), probes("probe_decode_attention")
     overlap, blas = probes("probe_gemv_overlap"), probes("probe_blas")
-    persistent = probes("probe_persistent_mlp")
+    persistent, fused, spacer = probes("probe_persistent_mlp"), probes("probe_fused_mlp"), probes("probe_spacer")
+    layout = probes("probe_kv_layout")
     for main, argv, message in (
             (persistent.main, ["--layers", "0"], "want a positive whole number, got '0'"),
+            (fused.main, ["--layers", "-1"], "want a positive whole number, got '-1'"),
+            (spacer.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
+            (layout.main, ["--rounds", "x"], "want a positive whole number, got 'x'"),
             (overlap.main, ["--sections", "chain,nope"], "unknown section nope"),
             (blas.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
             (parts.main, ["--parts", "tiles,nope"], "unknown part nope; pick from knockout,tiles,prefill"),
@@ -137,3 +141,27 @@ def test_persistent_mlp_probe_kernel_matches_torch(kernel_device, probes):
         assert probe.check(device, hidden, inter, layers, 1, tile) < 1e-4
     with pytest.raises(AssertionError, match="read ahead within K"):
         probe.check(device, 32, 96, 1, 1, dict(bn1=16, bk1=32, bn2=32, bk2=32, pre1=2, pre2=1, warps=4, stages=3))
+
+
+def test_fused_mlp_probe_kernel_matches_torch(kernel_device, probes):
+    """The fused MLP kernel (gate_up, SiLU*up and its rows of down, added into an fp32 accumulator with atomics)
+    and the norm that reads the accumulator and zeroes it, against torch (float32). On the H200 the probe also
+    compares its output with the engine's kernels: programs of 64 or more rows were wrong there (see RESULTS.md),
+    so this checks the 32-row tile the probe's numbers stand on, and a 16-row one."""
+    device, probe = kernel_device, probes("probe_fused_mlp")
+    g = torch.Generator().manual_seed(0)
+    hidden, inter = 256, 128
+    gate_up = (torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5).to(device)
+    down = (torch.randn(hidden, inter, generator=g) / inter ** 0.5).to(device)
+    x, residual = torch.randn(1, hidden, generator=g).to(device), torch.randn(1, hidden, generator=g).to(device)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device)
+    gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+    mlp = (torch.nn.functional.silu(gate) * up) @ down.T
+    for tile in (dict(rows=32, bk=128, bh=128, warps=4, stages=3), dict(rows=16, bk=64, bh=256, warps=2, stages=4)):
+        acc, res = torch.zeros(1, hidden, device=device), residual.clone()
+        probe.fused_mlp(x, gate_up, down.T.contiguous(), acc, tile)
+        assert ((acc - mlp).norm() / mlp.norm()).item() < 1e-5
+        out = probe.add_norm_from_acc(acc, res, weight)
+        want = torch.nn.functional.rms_norm(mlp + residual, (hidden,), weight, probe.EPS)
+        assert ((out - want).norm() / want.norm()).item() < 1e-5
+        assert torch.allclose(res, mlp + residual, atol=1e-5) and (acc == 0).all()
