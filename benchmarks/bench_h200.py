@@ -63,24 +63,53 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 151643, (n,), generator=g).tolist()
 
 
-def timed_generate(engine: Engine, ids: list[int], new_tokens: int) -> dict:
-    """Greedy generation with no observer attached: host times of the prefill step and each decode step."""
+def timed_generate(engine: Engine, ids: list[int], new_tokens: int, watch_clocks: bool = False) -> dict:
+    """Greedy generation with no observer attached: host times of the prefill step and each decode step. With
+    watch_clocks, NVML is sampled at 100 Hz from another process (as the anatomy does), and the SM clock and
+    power during the first EARLY_STEPS decode steps and during the rest are reported."""
+    telemetry = None
+    if watch_clocks:
+        from llm_anatomy.probe.telemetry import GpuTelemetry
+
+        telemetry = GpuTelemetry(torch.device("cuda"))
+        telemetry.start()
     seq = engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     sync()
     t0 = time.perf_counter()
     while not seq.output_token_ids:  # the prefill: one step, or chunks of a prompt longer than the budget
         engine.step()
     t1 = time.perf_counter()
-    steps = []
+    steps, starts_ns = [], []
     while not seq.finished:
+        starts_ns.append(time.perf_counter_ns())
         t = time.perf_counter()
         engine.step()
         steps.append((time.perf_counter() - t) * 1e3)
     total = time.perf_counter() - t0
     slowest = sorted(range(len(steps)), key=lambda i: -steps[i])[:5]  # where TPOT and the median step part
-    return {"prefill_ms": (t1 - t0) * 1e3, "decode_step_ms_median": statistics.median(steps) if steps else None,
-            "tpot_ms": (total - (t1 - t0)) * 1e3 / max(1, len(steps)), "total_s": total, "steps": len(steps),
-            "slowest_steps": [(i, round(steps[i], 3)) for i in slowest]}
+    out = {"prefill_ms": (t1 - t0) * 1e3, "decode_step_ms_median": statistics.median(steps) if steps else None,
+           "tpot_ms": (total - (t1 - t0)) * 1e3 / max(1, len(steps)), "total_s": total, "steps": len(steps),
+           "slowest_steps": [(i, round(steps[i], 3)) for i in slowest]}
+    if telemetry is not None:
+        out["clocks"] = clocks_by_phase(telemetry.stop(), starts_ns, time.perf_counter_ns())
+    return out
+
+
+EARLY_STEPS = 20
+
+
+def clocks_by_phase(samples, starts_ns: list[int], end_ns: int) -> dict:
+    """Median SM clock and power, and the throttle reasons seen, in the first EARLY_STEPS decode steps and after."""
+    split_ns = starts_ns[min(EARLY_STEPS, len(starts_ns) - 1)] if starts_ns else end_ns
+    out = {}
+    for name, lo, hi in (("early", starts_ns[0] if starts_ns else end_ns, split_ns), ("rest", split_ns, end_ns)):
+        inside = [s for s in samples if lo <= s.t_ns < hi]
+        sm = [s.sm_mhz for s in inside if s.sm_mhz is not None]
+        power = [s.power_mw / 1e3 for s in inside if s.power_mw is not None]
+        out[name] = {"samples": len(inside), "sm_mhz_median": statistics.median(sm) if sm else None,
+                     "power_w_median": statistics.median(power) if power else None,
+                     "throttle": sorted({r for s in inside for r in s.throttle})}
+    return out
 
 
 def one_prefill_ms(engine: Engine, n: int, seed: int) -> float:
@@ -254,8 +283,8 @@ def section_ours(ctx) -> dict:
     out = {"load_s": ctx["engine_load_s"], "graph_capture_s": engine.runner.capture_seconds,
            "graph_bytes": engine.runner.graph_bytes, "pdl": engine.pdl}
     timed_generate(engine, prompt_ids(128), 16)  # warm-up
-    out["decode_ctx512"] = timed_generate(engine, prompt_ids(384, 1), 128)
-    out["decode_ctx32k"] = timed_generate(engine, prompt_ids(32640, 2), 64)
+    out["decode_ctx512"] = timed_generate(engine, prompt_ids(384, 1), 128, watch_clocks=True)
+    out["decode_ctx32k"] = timed_generate(engine, prompt_ids(32640, 2), 64, watch_clocks=True)
     for n in (128, 2048, 8192):
         out[f"prefill_{n}_ms"] = prefill_ms(engine, n)
     ceilings = ctx.get("ceilings") or calibrate(torch.device("cuda"), quick=True)
