@@ -100,7 +100,7 @@ EARLY_STEPS = 20
 
 def clocks_by_phase(samples, starts_ns: list[int], end_ns: int) -> dict:
     """Median SM clock and power, and the throttle reasons seen, in the first EARLY_STEPS decode steps and after."""
-    split_ns = starts_ns[min(EARLY_STEPS, len(starts_ns) - 1)] if starts_ns else end_ns
+    split_ns = starts_ns[EARLY_STEPS] if len(starts_ns) > EARLY_STEPS else end_ns
     out = {}
     for name, lo, hi in (("early", starts_ns[0] if starts_ns else end_ns, split_ns), ("rest", split_ns, end_ns)):
         inside = [s for s in samples if lo <= s.t_ns < hi]

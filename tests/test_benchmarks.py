@@ -165,3 +165,27 @@ def test_fused_mlp_probe_kernel_matches_torch(kernel_device, probes):
         want = torch.nn.functional.rms_norm(mlp + residual, (hidden,), weight, probe.EPS)
         assert ((out - want).norm() / want.norm()).item() < 1e-5
         assert torch.allclose(res, mlp + residual, atol=1e-5) and (acc == 0).all()
+
+
+def test_clocks_by_phase_splits_samples_at_the_early_steps():
+    """The bench's clock summary: samples before the EARLY_STEPS-th step's start are early, the rest after it,
+    samples outside the decode are ignored, and throttle bits are named."""
+    from llm_anatomy.probe.telemetry import RawSample
+
+    bench = load_bench()
+    starts = [1000 + 10 * i for i in range(30)]  # step i starts at 1000 + 10 i ns; early ends at 1200
+
+    def sample(t, mhz, watts, mask=0):
+        return RawSample(t, watts * 1000, None, mhz, None, None, None, None, None, mask)
+
+    samples = [sample(500, 100, 1), sample(1005, 1800, 600, 0x4), sample(1150, 1900, 650, 0x4),
+               sample(1250, 1980, 200), sample(1400, 1980, 210), sample(1600, 1000, 1)]
+    out = bench.clocks_by_phase(samples, starts, 1500)
+    assert bench.EARLY_STEPS == 20
+    assert out["early"] == {"samples": 2, "sm_mhz_median": 1850.0, "power_w_median": 625.0,
+                            "throttle": ["sw_power_cap"]}
+    assert out["rest"] == {"samples": 2, "sm_mhz_median": 1980.0, "power_w_median": 205.0, "throttle": []}
+    short = bench.clocks_by_phase(samples, starts[:3], 1300)  # fewer steps than EARLY_STEPS: all early
+    assert short["early"]["samples"] == 3 and short["rest"]["samples"] == 0
+    empty = bench.clocks_by_phase([], starts, 1500)
+    assert empty["early"]["sm_mhz_median"] is None and empty["rest"]["throttle"] == []
