@@ -14,6 +14,8 @@ wait: Tile.prefetch).
   interleaved over rounds. The difference between the wait and no-wait steps bounds what overlapping the
   transitions could save.
 - tune: the tiles tuned again inside the step with prefetch 0, 1 and 2 as candidates (coordinate descent).
+- shape: the whole step with one shape's GEMVs not waiting, at 512 and 32k tokens: per shape, what hiding its
+  transitions could save at most.
 - tpot: timed generation at 384 + 128 tokens (bench_h200.timed_generate), with the heap as it is, frozen, and
   with the collector off: where TPOT and the median step differ.
 
@@ -42,7 +44,7 @@ from llm_anatomy.engine.tuning import coordinate_descent
 from llm_anatomy.kernels import gemv as gemv_module
 from probe_decode_parts import decode_forward, fakes_for, step_ms
 
-SECTIONS = ["chain", "step", "tune", "tpot"]
+SECTIONS = ["chain", "step", "tune", "tpot", "shape"]
 PREFETCHES = (1, 2)
 
 
@@ -144,6 +146,44 @@ def step(engine, rounds: int) -> dict:
     return out
 
 
+# ---- shape -------------------------------------------------------------------------------------------------
+def shape(engine, rounds: int) -> dict:
+    """The whole step with one shape's GEMVs not waiting (timing only), the rest as the engine runs them: an upper
+    bound on what hiding that shape's transitions (e.g. reading its weights while the kernels before it run)
+    could save, per shape, at 512 tokens (the short graph's attention) and at 32k."""
+    no_wait, real_gemv = no_wait_kernel(), gemv_module.gemv
+    engine_kernel = gemv_module._gemv_kernel
+
+    def gemv_with(target):
+        def gemv(x, weight, gated=False, tile=None):
+            n = weight.shape[0] // 2 if gated else weight.shape[0]
+            if gemv_module.tile_key(n, x.shape[1], gated, weight.dtype) == target:
+                gemv_module._gemv_kernel = no_wait
+            try:
+                return real_gemv(x, weight, gated, tile)
+            finally:
+                gemv_module._gemv_kernel = engine_kernel
+        return gemv
+
+    from llm_anatomy.engine.runner import SHORT_BLOCK_N, SHORT_SPLITS
+
+    out = {}
+    for context, splits, block_n in ((512, SHORT_SPLITS, SHORT_BLOCK_N), (32768, None, None)):
+        forward = decode_forward(engine, context, splits, block_n)
+        times = defaultdict(list)
+        for _ in range(rounds):
+            times["engine"].append(step_ms(engine, forward))
+            for key in engine.runner._gemv_keys():
+                gemv_module.gemv = gemv_with(key)
+                try:
+                    times[str(key)].append(step_ms(engine, forward))
+                finally:
+                    gemv_module.gemv = real_gemv
+        out[context] = {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
+        print("shape", context, {n: round(r["ms"], 4) for n, r in out[context].items()}, flush=True)
+    return out
+
+
 # ---- tune --------------------------------------------------------------------------------------------------
 def tune(engine) -> dict:
     """The tiles tuned again with every candidate's prefetch variants among the candidates."""
@@ -187,7 +227,7 @@ def main(argv=None):
     parser.add_argument("--sections", type=names_from(SECTIONS, "section"), default=SECTIONS)
     parser.add_argument("--rounds", type=positive_int, default=3)
     args = parser.parse_args(argv)
-    engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=8192, max_num_seqs=1)
+    engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=32768 + 256, max_num_seqs=1)
     out = {"tiles": {str(k): str(t) for k, t in gemv_module.TILES.items()}}
     with torch.inference_mode():
         for name in args.sections:
@@ -197,6 +237,8 @@ def main(argv=None):
                 out[name] = step(engine, args.rounds)
             elif name == "tune":
                 out[name] = tune(engine)
+            elif name == "shape":
+                out[name] = shape(engine, args.rounds)
             else:
                 out[name] = tpot(engine)
             if args.out:
