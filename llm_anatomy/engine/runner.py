@@ -30,7 +30,9 @@ GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, 2049)})
 # context at full bandwidth); at short contexts most of them find nothing to do and still cost the step, as
 # does merging 33 partials. So batch 1 has a second decode graph for contexts up to SHORT_CONTEXT, with 16
 # splits of 64-token tiles: 4.21 against 4.31 ms a step at 128 tokens, 4.25 against 4.34 at 1024, 4.34
-# against 4.38 at 2048 (benchmarks/probe_decode_attention.py, Qwen3-8B on the H200).
+# against 4.38 at 2048 (benchmarks/probe_decode_attention.py, Qwen3-8B on the H200). That was with a one-warp
+# merge, which spilled at 33 splits; with the merge's warps fitted to the splits, 36 layers of attention alone
+# still took 0.194 against 0.245 ms at 512 tokens, and 0.317 against 0.326 at 2048 (benchmarks/probe_kv_layout.py).
 SHORT_CONTEXT, SHORT_SPLITS, SHORT_BLOCK_N = 2048, 16, 64
 
 
