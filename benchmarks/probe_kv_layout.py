@@ -3,12 +3,13 @@
 The KV cache is laid out [layers, pages, page_size, kv_heads, head_dim]: a token's heads sit together, so one
 (KV head, split) program reads 256-byte pieces 2 KB apart. Head-major, [layers, kv_heads, pages, page_size,
 head_dim], a page of one head is one contiguous run. The decode attention kernel reads either (it takes the
-slot and head strides), so here the same kernel runs over both layouts: 36 layers of batch-1 attention
-(split + merge) at 512, 2k, 8k and 32k tokens, in a CUDA graph with programmatic dependent launch,
-with the engine's tile and splits and a few others; pages in order (a fresh pool) and shuffled (a long-running server's).
+slot and head strides), so here the same kernel runs over both layouts (with --layouts; else token-major
+only): 36 layers of batch-1 attention (split + merge) at 512, 2k, 8k and 32k tokens, in a CUDA graph with
+programmatic dependent launch, with the engine's tile and splits and others (more splits, the merge's warps, the
+short graph's attention); pages in order (a fresh pool) and, with --layouts, shuffled (a long-running server's).
 
     python3 benchmarks/probe_kv_layout.py --out $OUT/kv_layout.json
-    python3 benchmarks/probe_kv_layout.py --step --rounds 5 --out $OUT/kv_merge_step.json   # the merge's warps in the step
+    python3 benchmarks/probe_kv_layout.py --step --rounds 7 --out $OUT/kv_merge_step.json  # merge warps, in the step
 """
 
 from __future__ import annotations

@@ -36,8 +36,7 @@ def merge_warps(splits_pad: int, head_dim: int) -> int:
 
 @triton.jit
 def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot, stride_head,
-                 page_size,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                 page_size, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     d = tl.arange(0, HEAD_DIM)
     tok = n0 + tl.arange(0, BLOCK_N)
     valid = tok < end
@@ -89,13 +88,13 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
         n0 = start
         while n0 < end:
-            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot,
-                                     stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
+                                     stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot,
-                                     stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
+                                     stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
     # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
     base = (b * n_kv_heads * GROUP + heads) * splits + s
     tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
@@ -137,8 +136,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            splits: int | None = None, block_n: int | None = None, num_warps: int = NUM_WARPS,
                            num_stages: int = NUM_STAGES) -> torch.Tensor:
-    """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D] (any strides that keep slots flat); block_tables [B, max_pages] int32;
-    context_lens [B] int32 (0 for a padded row, which then gets zeros) -> [B, H, D]."""
+    """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D], in any strides that keep slots flat;
+    block_tables [B, max_pages] int32; context_lens [B] int32 (0 for a padded row, which then gets zeros)
+    -> [B, H, D]."""
     batch, n_heads, head_dim = q.shape
     n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     # slots are flat (page x page_size + position); any order of the head and slot dimensions is read
@@ -151,7 +151,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
-        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET,
         USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
