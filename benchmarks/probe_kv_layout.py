@@ -9,7 +9,7 @@ programmatic dependent launch, with the engine's tile and splits and others (mor
 short graph's attention); pages in order (a fresh pool) and, with --layouts, shuffled (a long-running server's).
 
     python3 benchmarks/probe_kv_layout.py --out $OUT/kv_layout.json
-    python3 benchmarks/probe_kv_layout.py --step --rounds 7 --out $OUT/kv_step.json  # merge warps, read-ahead
+    python3 benchmarks/probe_kv_layout.py --step --rounds 7 --out $OUT/kv_merge_step.json  # merge warps, in the step
 """
 
 from __future__ import annotations
@@ -68,29 +68,17 @@ def merge_warps(warps: int | None):
         decode_attention.merge_warps = rule
 
 
-@contextlib.contextmanager
-def read_ahead(on: bool):
-    """decode_attention.READ_AHEAD (the first tile read before the PDL wait) set inside the block."""
-    saved = decode_attention.READ_AHEAD
-    decode_attention.READ_AHEAD = on
-    try:
-        yield
-    finally:
-        decode_attention.READ_AHEAD = saved
-
-
 def step(rounds: int) -> dict:
-    """The engine's batch-1 decode step at 512 tokens (its short graph's attention) and at 32k, as the engine runs
-    it, with a one-warp merge, and without the first tile read ahead of the wait; interleaved."""
+    """The engine's batch-1 decode step at 512 tokens (its short graph's attention) and at 32k, with the merge
+    kernel's warps by the engine's rule and with one warp, interleaved."""
     engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=32768 + 256, max_num_seqs=1)
     out = {}
     for context, splits, block_n in ((512, SHORT_SPLITS, SHORT_BLOCK_N), (32768, None, None)):
         forward = decode_forward(engine, context, splits, block_n)
         times = defaultdict(list)
         for _ in range(rounds):
-            for name, variant in (("engine", contextlib.nullcontext()), ("one_warp_merge", merge_warps(1)),
-                                  ("no_read_ahead", read_ahead(False))):
-                with variant:
+            for name, warps in (("rule", None), ("one_warp", 1)):
+                with merge_warps(warps):
                     times[name].append(step_ms(engine, forward))
         out[context] = {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
         print("step", context, {n: round(r["ms"], 4) for n, r in out[context].items()}, flush=True)
@@ -102,8 +90,7 @@ def main(argv=None):
     parser.add_argument("--out")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--layouts", action="store_true", help="also head-major storage and shuffled pages")
-    parser.add_argument("--step", action="store_true",
-                        help="only the engine's decode step: A/B of the merge's warps and of the read-ahead")
+    parser.add_argument("--step", action="store_true", help="only the engine's decode step, merge warps A/B")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     enable_pdl(dev)

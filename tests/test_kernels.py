@@ -16,7 +16,6 @@ if not use_kernels(DEVICE):
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from llm_anatomy.kernels.activation import silu_mul, silu_mul_reference  # noqa: E402
-from llm_anatomy.kernels import decode_attention as decode_attention_module  # noqa: E402
 from llm_anatomy.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from llm_anatomy.kernels.gemv import gemv  # noqa: E402
 from llm_anatomy.kernels.norm import rmsnorm, rmsnorm_reference  # noqa: E402
@@ -106,9 +105,7 @@ def test_qk_norm_rope_store(norm, tokens):
 # None: defaults; 40 splits: a merge of several warps (decode_attention.merge_warps)
 @pytest.mark.parametrize("splits,block_n", [(1, 16), (3, 16), (8, 16), (16, 64), (40, 16), (None, None)])
 @pytest.mark.parametrize("head_major", [False, True])
-@pytest.mark.parametrize("read_ahead", [True, False])  # the first tile read before the PDL wait, or not
-def test_paged_decode_attention(dtype, splits, block_n, head_major, read_ahead, monkeypatch):
-    monkeypatch.setattr(decode_attention_module, "READ_AHEAD", read_ahead)
+def test_paged_decode_attention(dtype, splits, block_n, head_major):
     heads, kv_heads, d, page, pages = 8, 2, 32, 4, 40
     k_cache, v_cache = rand(pages, page, kv_heads, d, dtype=dtype), rand(pages, page, kv_heads, d, dtype=dtype, seed=1)
     if head_major:  # the same values stored [kv_heads, pages, page, d]: the kernel reads through the strides

@@ -24,9 +24,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tile and pipelining: the best of benchmarks/bench_h200.py's section attn at 32k context on the H200
 # (at 512 tokens all configs were within 10%). Any config is correct.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
-# Each split program reads its first tile of keys and values before waiting for the kernel before it (PDL): the
-# cache holds every position but this step's newest already, and that one tile is read again after the wait.
-READ_AHEAD = True
 
 
 def merge_warps(splits_pad: int, head_dim: int) -> int:
@@ -38,24 +35,16 @@ def merge_warps(splits_pad: int, head_dim: int) -> int:
 
 
 @triton.jit
-def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, n0, end, stride_tb, stride_slot, stride_head, page_size,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
-    """Keys and values of tokens n0 .. n0 + BLOCK_N - 1 (those before `end`), gathered through the block table.
-    CACHE ".cg" reads through L2 only: a line read before the PDL wait must not be found again, stale, in L1."""
+def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot, stride_head,
+                 page_size, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     d = tl.arange(0, HEAD_DIM)
     tok = n0 + tl.arange(0, BLOCK_N)
     valid = tok < end
-    page = tl.load(table_ptr + b * stride_tb + tok // page_size, mask=valid, other=0, cache_modifier=CACHE)
+    page = tl.load(table_ptr + b * stride_tb + tok // page_size, mask=valid, other=0)
     slot = page.to(tl.int64) * page_size + tok % page_size
     offs = slot[:, None] * stride_slot + kvh * stride_head + d[None, :]
-    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0, cache_modifier=CACHE)
-    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0, cache_modifier=CACHE)
-    return k, v, valid
-
-
-@triton.jit
-def _attend_loaded(q, k, v, valid, m, l, acc, scale, IEEE: tl.constexpr):
-    """One tile of online softmax: (running max, sum, unnormalised output) updated with these keys and values."""
+    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
     if IEEE:  # float32 caches: exact products, not TF32
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
@@ -72,31 +61,23 @@ def _attend_loaded(q, k, v, valid, m, l, acc, scale, IEEE: tl.constexpr):
     return m_new, l, acc
 
 
-@triton.jit
-def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot, stride_head,
-                 page_size, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    k, v, valid = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, n0, end, stride_tb, stride_slot, stride_head, page_size,
-                             HEAD_DIM, BLOCK_N, "")
-    return _attend_loaded(q, k, v, valid, m, l, acc, scale, IEEE)
-
-
 # The block tables' width, the split count and where the step's integers sit change from step to step: no
 # specialising on them, so that an eager step of a new shape does not compile a kernel.
 @triton.jit(do_not_specialize=["stride_tb", "splits"], do_not_specialize_on_alignment=["table_ptr", "ctx_ptr"])
 def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
                   stride_qb, stride_qh, stride_tb, stride_slot, stride_head, n_kv_heads, page_size, splits,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr, READ_AHEAD: tl.constexpr):
+                  IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)  # the lengths and block tables are written before the step, not by a kernel of it
+    # The lengths are written before the step, not by a kernel of it: read while the kernel before finishes. (Its
+    # first tile of keys and values read there too was slower: 4.226 ms a step against 4.172 at 512 tokens on the
+    # H200, commit f871882.)
+    ctx = tl.load(ctx_ptr + b)
     per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
     start = s * per_split
     end = tl.minimum(start + per_split, ctx)
-    if READ_AHEAD:  # the first tile, read while the kernel before (which stores this step's K and V) finishes
-        k0, v0, valid0 = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, start, end, stride_tb, stride_slot,
-                                    stride_head, page_size, HEAD_DIM, BLOCK_N, ".cg")
     gdc_enter(USE_PDL)
 
     g = tl.arange(0, GROUP_PAD)
@@ -107,23 +88,14 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    first = start
-    if READ_AHEAD:
-        newest = ctx - 1  # the one position this step stores: read again, now that it is there
-        if (start <= newest) & (newest < start + BLOCK_N):
-            k0, v0, valid0 = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, start, end, stride_tb, stride_slot,
-                                        stride_head, page_size, HEAD_DIM, BLOCK_N, ".cg")
-        if start < end:  # (an empty split attends nothing: its max stays -inf)
-            m, l, acc = _attend_loaded(q, k0, v0, valid0, m, l, acc, scale, IEEE)
-        first = start + BLOCK_N
     if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
-        n0 = first
+        n0 = start
         while n0 < end:
             m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
                                      stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
             n0 += BLOCK_N
     else:
-        for n0 in range(first, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
                                      stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
     # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
@@ -185,7 +157,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET,
-        USE_PDL=PDL.on, READ_AHEAD=READ_AHEAD, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
+        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
     _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,
