@@ -52,6 +52,17 @@ def step_ms(engine, forward, iters: int = 40) -> float:
     return ms
 
 
+def interleaved(engine, forward, variants: dict, rounds: int) -> dict:
+    """The step timed under each variant (name -> a function giving a context manager to time it in), the
+    variants taking turns over the rounds, so that a drift of the machine falls on all of them: medians, in ms."""
+    times = defaultdict(list)
+    for _ in range(rounds):
+        for name, variant in variants.items():
+            with variant():
+                times[name].append(step_ms(engine, forward))
+    return {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
+
+
 # ---- knockout ----------------------------------------------------------------------------------------------
 def no_norm(x, weight, eps, residual=None):
     return x
@@ -88,12 +99,8 @@ def knockout(engine, rounds: int) -> dict:
                 "no_attention": ["paged_decode_attention"],
                 "no_rope_no_attention": ["qk_norm_rope_store", "paged_decode_attention"],
                 "gemvs_only": ["norm", "qk_norm_rope_store", "paged_decode_attention"]}
-    times = defaultdict(list)
-    for _ in range(rounds):
-        for name, off in variants.items():
-            with fakes_for(off):
-                times[name].append(step_ms(engine, forward))
-    out = {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
+    out = interleaved(engine, forward, {name: lambda off=off: fakes_for(off) for name, off in variants.items()},
+                      rounds)
     full = out["full"]["ms"]
     for name in out:
         out[name]["saves_ms"] = full - out[name]["ms"]

@@ -30,8 +30,11 @@ import triton.language as tl
 from bench_h200 import cuda_ms, positive_int
 from llm_anatomy.kernels import gemv as gemv_module, norm
 from llm_anatomy.kernels.pdl import PDL, enable_pdl, gdc_enter
+from probe_persistent_mlp import HIDDEN, mlp_weights, use_tiles
 
-HIDDEN, INTER, EPS = 4096, 12288, 1e-6
+EPS = 1e-6
+# the engine's tiles for gate_up and down, as start-up picked them on the H200 in the seventh session's first run
+SESSION7_TILES = (gemv_module.Tile(32, 128, 4, 3), gemv_module.Tile(16, 512, 2, 4))
 
 
 @triton.jit
@@ -132,16 +135,13 @@ def main(argv=None):
     dev = torch.device("cuda")
     enable_pdl(dev)
     g = torch.Generator(device=dev).manual_seed(0)
-    gate_up = (torch.randn(args.layers, 2 * INTER, HIDDEN, generator=g, device=dev) / HIDDEN ** 0.5).bfloat16()
-    down = (torch.randn(args.layers, HIDDEN, INTER, generator=g, device=dev) / INTER ** 0.5).bfloat16()
+    gate_up, down = mlp_weights(args.layers, g)
     down_t = down.transpose(1, 2).contiguous()
     norm_w = (1 + 0.1 * torch.randn(HIDDEN, generator=g, device=dev)).bfloat16()
     x0 = torch.randn(1, HIDDEN, generator=g, device=dev).bfloat16()
     res0 = torch.randn(1, HIDDEN, generator=g, device=dev).bfloat16()
     acc = torch.zeros(1, HIDDEN, dtype=torch.float32, device=dev)
-    # the engine's tiles for these shapes, as start-up picked them on the H200 (probe_gemv_l2.py's run)
-    gemv_module.TILES[gemv_module.tile_key(INTER, HIDDEN, True, torch.bfloat16)] = gemv_module.Tile(32, 128, 4, 3)
-    gemv_module.TILES[gemv_module.tile_key(HIDDEN, INTER, False, torch.bfloat16)] = gemv_module.Tile(16, 512, 2, 4)
+    use_tiles(*SESSION7_TILES)
     nbytes = (gate_up.numel() + down.numel()) * 2
     out = {"layers": args.layers, "gb": nbytes / 1e9, "variants": {}}
 

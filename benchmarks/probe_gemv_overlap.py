@@ -25,6 +25,7 @@ wait: Tile.prefetch).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -33,6 +34,7 @@ import time
 import types
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -42,7 +44,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from bench_h200 import make_engine, names_from, positive_int, prompt_ids, timed_generate
 from llm_anatomy.engine.tuning import coordinate_descent
 from llm_anatomy.kernels import gemv as gemv_module
-from probe_decode_parts import decode_forward, fakes_for, step_ms
+from probe_decode_parts import decode_forward, fakes_for, interleaved, step_ms
 
 SECTIONS = ["chain", "step", "tune", "tpot", "shape"]
 PREFETCHES = (1, 2)
@@ -167,19 +169,12 @@ def shape(engine, rounds: int) -> dict:
 
     from llm_anatomy.engine.runner import SHORT_BLOCK_N, SHORT_SPLITS
 
+    variants = {"engine": contextlib.nullcontext}
+    variants.update({str(key): lambda key=key: mock.patch.object(gemv_module, "gemv", gemv_with(key))
+                     for key in engine.runner._gemv_keys()})
     out = {}
     for context, splits, block_n in ((512, SHORT_SPLITS, SHORT_BLOCK_N), (32768, None, None)):
-        forward = decode_forward(engine, context, splits, block_n)
-        times = defaultdict(list)
-        for _ in range(rounds):
-            times["engine"].append(step_ms(engine, forward))
-            for key in engine.runner._gemv_keys():
-                gemv_module.gemv = gemv_with(key)
-                try:
-                    times[str(key)].append(step_ms(engine, forward))
-                finally:
-                    gemv_module.gemv = real_gemv
-        out[context] = {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
+        out[context] = interleaved(engine, decode_forward(engine, context, splits, block_n), variants, rounds)
         print("shape", context, {n: round(r["ms"], 4) for n, r in out[context].items()}, flush=True)
     return out
 

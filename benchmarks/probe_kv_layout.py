@@ -20,6 +20,7 @@ import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -27,7 +28,7 @@ from bench_h200 import cuda_ms, make_engine, positive_int
 from llm_anatomy.kernels import decode_attention
 from llm_anatomy.engine.runner import SHORT_BLOCK_N, SHORT_SPLITS
 from llm_anatomy.kernels.pdl import enable_pdl
-from probe_decode_parts import decode_forward, step_ms
+from probe_decode_parts import decode_forward, interleaved
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, PAGE = 36, 32, 8, 128, 16  # the engine's page (block_size)
 CONTEXTS = (512, 2048, 8192, 32768)
@@ -56,31 +57,21 @@ def caches(layout: str, pages: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
     return k.permute(0, 2, 3, 1, 4), v.permute(0, 2, 3, 1, 4)
 
 
-@contextlib.contextmanager
 def merge_warps(warps: int | None):
-    """The merge kernel launched with `warps` warps inside the block (None: the engine's rule)."""
-    rule = decode_attention.merge_warps
-    if warps is not None:
-        decode_attention.merge_warps = lambda splits_pad, head_dim: warps
-    try:
-        yield
-    finally:
-        decode_attention.merge_warps = rule
+    """A context in which the merge kernel is launched with `warps` warps (None: the engine's rule)."""
+    if warps is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(decode_attention, "merge_warps", lambda splits_pad, head_dim: warps)
 
 
 def step(rounds: int) -> dict:
     """The engine's batch-1 decode step at 512 tokens (its short graph's attention) and at 32k, with the merge
     kernel's warps by the engine's rule and with one warp, interleaved."""
     engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=32768 + 256, max_num_seqs=1)
+    variants = {"rule": lambda: merge_warps(None), "one_warp": lambda: merge_warps(1)}
     out = {}
     for context, splits, block_n in ((512, SHORT_SPLITS, SHORT_BLOCK_N), (32768, None, None)):
-        forward = decode_forward(engine, context, splits, block_n)
-        times = defaultdict(list)
-        for _ in range(rounds):
-            for name, warps in (("rule", None), ("one_warp", 1)):
-                with merge_warps(warps):
-                    times[name].append(step_ms(engine, forward))
-        out[context] = {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
+        out[context] = interleaved(engine, decode_forward(engine, context, splits, block_n), variants, rounds)
         print("step", context, {n: round(r["ms"], 4) for n, r in out[context].items()}, flush=True)
     return out
 

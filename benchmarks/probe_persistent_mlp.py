@@ -31,6 +31,19 @@ from llm_anatomy.kernels import gemv as gemv_module
 from llm_anatomy.kernels.pdl import enable_pdl
 
 HIDDEN, INTER = 4096, 12288
+
+
+def mlp_weights(layers: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-8B's MLP weights for `layers` layers, random bf16 on g's device: gate_up [L, 2I, H], down [L, H, I]."""
+    gate_up = torch.randn(layers, 2 * INTER, HIDDEN, generator=g, device=g.device) / HIDDEN ** 0.5
+    down = torch.randn(layers, HIDDEN, INTER, generator=g, device=g.device) / INTER ** 0.5
+    return gate_up.bfloat16(), down.bfloat16()
+
+
+def use_tiles(gate_up: gemv_module.Tile, down: gemv_module.Tile) -> None:
+    """The engine's GEMV tiles for the MLP's two shapes in bf16, as some start-up on the H200 picked them."""
+    gemv_module.TILES[gemv_module.tile_key(INTER, HIDDEN, True, torch.bfloat16)] = gate_up
+    gemv_module.TILES[gemv_module.tile_key(HIDDEN, INTER, False, torch.bfloat16)] = down
 MAX_SPIN = 1 << 18  # polls, a fraction of a second: far beyond any phase, short of a hung GPU
 
 
@@ -186,11 +199,9 @@ def main(argv=None):
     enable_pdl(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     g = torch.Generator(device=dev).manual_seed(0)
-    wgu = (torch.randn(args.layers, 2 * INTER, HIDDEN, generator=g, device=dev) / HIDDEN ** 0.5).bfloat16()
-    wd = (torch.randn(args.layers, HIDDEN, INTER, generator=g, device=dev) / INTER ** 0.5).bfloat16()
+    wgu, wd = mlp_weights(args.layers, g)
     x0 = torch.randn(1, HIDDEN, generator=g, device=dev).bfloat16()
-    gemv_module.TILES[gemv_module.tile_key(INTER, HIDDEN, True, torch.bfloat16)] = gemv_module.Tile(32, 128, 4, 3, 1)
-    gemv_module.TILES[gemv_module.tile_key(HIDDEN, INTER, False, torch.bfloat16)] = gemv_module.Tile(16, 512, 2, 4)
+    use_tiles(gemv_module.Tile(32, 128, 4, 3, 1), gemv_module.Tile(16, 512, 2, 4))  # runs 20-22
     nbytes = (wgu.numel() + wd.numel()) * 2
     out = {"layers": args.layers, "gb": nbytes / 1e9, "sms": sms, "variants": {}}
 

@@ -16,10 +16,12 @@ lets the next launch: programmatic dependent launch) goes between them:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -29,9 +31,10 @@ from bench_h200 import cuda_ms, make_engine, positive_int
 from llm_anatomy.kernels import gemv as gemv_module, norm
 from llm_anatomy.kernels.pdl import PDL, enable_pdl, gdc_enter
 from llm_anatomy.models import qwen3
-from probe_decode_parts import decode_forward, step_ms
+from probe_decode_parts import decode_forward, interleaved
+from probe_fused_mlp import EPS, SESSION7_TILES
+from probe_persistent_mlp import HIDDEN, mlp_weights, use_tiles
 
-HIDDEN, INTER, EPS = 4096, 12288, 1e-6
 CONTEXTS = (512, 32768)
 
 
@@ -54,8 +57,7 @@ def mlp(x, gate_up, down, with_spacer: bool):
 def chain(rounds: int, layers: int) -> dict:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    gate_up = (torch.randn(layers, 2 * INTER, HIDDEN, generator=g, device=dev) / HIDDEN ** 0.5).bfloat16()
-    down = (torch.randn(layers, HIDDEN, INTER, generator=g, device=dev) / INTER ** 0.5).bfloat16()
+    gate_up, down = mlp_weights(layers, g)
     norm_w = torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)
     x0 = torch.randn(1, HIDDEN, generator=g, device=dev).bfloat16()
     residual = torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device=dev)
@@ -101,18 +103,11 @@ def step(rounds: int) -> dict:
         spacer()
         return act
 
+    variants = {"direct": contextlib.nullcontext,
+                "spacer": lambda: mock.patch.object(qwen3.MLP, "forward", spaced_forward)}
     out = {"tiles": {str(k): str(t) for k, t in gemv_module.TILES.items()}}
     for context in CONTEXTS:
-        forward = decode_forward(engine, context)
-        times = defaultdict(list)
-        for _ in range(rounds):
-            for name, fn in (("direct", real_forward), ("spacer", spaced_forward)):
-                qwen3.MLP.forward = fn
-                try:
-                    times[name].append(step_ms(engine, forward))
-                finally:
-                    qwen3.MLP.forward = real_forward
-        out[context] = {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
+        out[context] = interleaved(engine, decode_forward(engine, context), variants, rounds)
         print("step", context, {n: round(r["ms"], 4) for n, r in out[context].items()}, flush=True)
     return out
 
@@ -124,8 +119,7 @@ def main(argv=None):
     parser.add_argument("--layers", type=positive_int, default=36)
     args = parser.parse_args(argv)
     enable_pdl(torch.device("cuda"))
-    gemv_module.TILES[gemv_module.tile_key(INTER, HIDDEN, True, torch.bfloat16)] = gemv_module.Tile(32, 128, 4, 3)
-    gemv_module.TILES[gemv_module.tile_key(HIDDEN, INTER, False, torch.bfloat16)] = gemv_module.Tile(16, 512, 2, 4)
+    use_tiles(*SESSION7_TILES)
     out = {}
     with torch.inference_mode():
         out["chain"] = chain(args.rounds, args.layers)

@@ -189,3 +189,15 @@ def test_clocks_by_phase_splits_samples_at_the_early_steps():
     assert short["early"]["samples"] == 3 and short["rest"]["samples"] == 0
     empty = bench.clocks_by_phase([], starts, 1500)
     assert empty["early"]["sm_mhz_median"] is None and empty["rest"]["throttle"] == []
+
+
+def test_kv_layout_probe_overrides_the_merge_warps_only_inside_its_block(probes):
+    pytest.importorskip("triton")
+    from llm_anatomy.kernels import decode_attention
+
+    probe = probes("probe_kv_layout")
+    with probe.merge_warps(1):
+        assert decode_attention.merge_warps(64, 128) == 1
+    with probe.merge_warps(None):  # the engine's rule
+        assert decode_attention.merge_warps(64, 128) == 2
+    assert decode_attention.merge_warps(64, 128) == 2 and decode_attention.merge_warps(16, 128) == 1
