@@ -135,15 +135,17 @@ def chain(engine, rounds: int) -> dict:
 
 # ---- step --------------------------------------------------------------------------------------------------
 def step(engine, rounds: int) -> dict:
-    full = decode_forward(engine)
-    times = defaultdict(list)
-    for _ in range(rounds):
-        for name, variant in variants().items():
-            with variant:
-                times[name].append(step_ms(engine, full))
-                with fakes_for(["norm", "qk_norm_rope_store", "paged_decode_attention"]):
-                    times[name + "_gemvs_only"].append(step_ms(engine, decode_forward(engine)))
-    out = {name: {"ms": statistics.median(t), "all": t} for name, t in times.items()}
+    def gemvs_only(variant):
+        stack = contextlib.ExitStack()
+        stack.enter_context(variant)
+        stack.enter_context(fakes_for(["norm", "qk_norm_rope_store", "paged_decode_attention"]))
+        return stack
+
+    timed = {}
+    for name, variant in variants().items():
+        timed[name] = lambda variant=variant: variant
+        timed[name + "_gemvs_only"] = lambda variant=variant: gemvs_only(variant)
+    out = interleaved(engine, decode_forward(engine), timed, rounds)
     print("step", {n: round(r["ms"], 4) for n, r in out.items()}, flush=True)
     return out
 
