@@ -226,3 +226,28 @@ def test_the_engine_never_imports_the_probe():
                     continue
                 assert not any(n == "probe" or n.startswith("probe.") or "llm_anatomy.probe" in n for n in names), \
                     f"{path.name} imports the probe"
+
+
+def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine, monkeypatch):
+    """A profiled (eager) decode step must run the attention the CUDA graphs run: the short-context splits and
+    tile for one sequence up to SHORT_CONTEXT, the defaults beyond it, for batches and for prefills."""
+    from llm_anatomy.engine import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "SHORT_CONTEXT", 6)
+    seen = []
+    run = engine.runner.run
+
+    def recording(batch, ahead_tokens=None):
+        attn = engine.runner.prepare(batch, ahead=int(ahead_tokens is not None))[2]
+        seen.append((batch.is_prefill, len(batch.seqs), int(attn.context_lens.max()), attn.decode_splits,
+                     attn.decode_block_n))
+        return run(batch, ahead_tokens)
+
+    monkeypatch.setattr(engine.runner, "run", recording)
+    greedy(engine, [3, 1, 4], max_tokens=6)
+    engine.generate_many([[3, 1, 4], [1, 5]], temperature=0, max_tokens=3, ignore_eos=True)
+    short = (runner_module.SHORT_SPLITS, runner_module.SHORT_BLOCK_N)
+    for is_prefill, n, longest, splits, block_n in seen:
+        want = short if not is_prefill and n == 1 and longest <= 6 else (None, None)
+        assert (splits, block_n) == want
+    assert any(s[3] for s in seen) and any(not s[0] and s[3] is None for s in seen)

@@ -36,6 +36,12 @@ GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, 2049)})
 SHORT_CONTEXT, SHORT_SPLITS, SHORT_BLOCK_N = 2048, 16, 64
 
 
+def short_decode_attention(batch_size: int, longest_context: int) -> bool:
+    """Whether a decode step runs the short-context attention (SHORT_SPLITS of SHORT_BLOCK_N tokens): a single
+    sequence of up to SHORT_CONTEXT tokens. The graphs and the eager steps (a profiled replay) decide alike."""
+    return batch_size == 1 and longest_context <= SHORT_CONTEXT
+
+
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
     """The prefill buckets a whole prompt of up to max_tokens can use: those below it and the first at or above."""
     sizes = [t for t in GRAPH_PREFILL_TOKENS if t < max_tokens]
@@ -102,6 +108,7 @@ class ModelRunner:
         ends = torch.tensor(batch.query_lens).cumsum(0) - 1
         last = ends[[i for i, s in enumerate(batch.seqs) if id(s) in sampled]]
         longs = torch.cat([torch.tensor(input_ids, dtype=torch.int64), *positions, *slots, last])
+        short = not batch.is_prefill and short_decode_attention(seqs, int(ints[:seqs].max()))  # host ints
         self._upload_flip ^= 1
         longs, ints = self._upload(longs), self._upload(ints)
         n_ids = 0 if ahead else tokens
@@ -112,6 +119,7 @@ class ModelRunner:
             block_tables=ints[seqs:].view(seqs, width),
             context_lens=ints[:seqs],
             query_lens=tuple(batch.query_lens), prefix_lens=tuple(prefix_lens), num_decodes=batch.num_decodes,
+            decode_splits=SHORT_SPLITS if short else None, decode_block_n=SHORT_BLOCK_N if short else None,
         )
         return longs[:n_ids], longs[n_ids:n_ids + tokens], attn, longs[n_ids + 2 * tokens:]
 
@@ -291,7 +299,7 @@ class ModelRunner:
         self.static_pos[:b].copy_(stage[1, :b], non_blocking=True)
         self.static_slots[:b].copy_(stage[2, :b], non_blocking=True)
         self.static_lens[:b].copy_(lens[:b], non_blocking=True)
-        short = b in self.short_graphs and longest <= SHORT_CONTEXT
+        short = b in self.short_graphs and short_decode_attention(b, longest)
         graph, logits = (self.short_graphs if short else self.graphs)[b]
         graph.replay()
         return logits[:n]
