@@ -32,10 +32,9 @@ from llm_anatomy.probe.kernels import categorize
 CONTEXT = 512
 
 
-def decode_forward(engine, context: int = CONTEXT, splits: int | None = None, block_n: int | None = None,
-                   prefetch: bool = False):
+def decode_forward(engine, context: int = CONTEXT, splits: int | None = None, block_n: int | None = None):
     """The engine's batch-1 decode step at `context` tokens (nothing stored), over the graphs' static inputs;
-    attention with these splits and tile (default: the long-context graph's), asking o_proj into L2 or not."""
+    attention with these splits and tile (default: the long-context graph's)."""
     runner = engine.runner
     blocks = -(-context // engine.block_size)
     runner.static_ids[:1] = 1
@@ -43,7 +42,7 @@ def decode_forward(engine, context: int = CONTEXT, splits: int | None = None, bl
     runner.static_slots[:1] = -1
     runner.static_lens[:1] = context
     runner.static_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32)
-    return runner._decode_forward(1, splits, block_n, prefetch)
+    return runner._decode_forward(1, splits, block_n)
 
 
 def step_ms(engine, forward, iters: int = 40) -> float:

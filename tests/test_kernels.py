@@ -123,20 +123,6 @@ def test_paged_decode_attention(dtype, splits, block_n, head_major):
     assert out[3].abs().sum() == 0
 
 
-@pytest.mark.parametrize("nbytes", [4096 * 2, 1000 * 2 + 6])  # many shares; a size not a multiple of 16
-def test_decode_attention_prefetch_changes_nothing(nbytes):
-    """Asking the next weights into L2 (a hint; on CUDA only) leaves the attention's output bit for bit."""
-    heads, kv_heads, d, page = 8, 2, 32, 4
-    k_cache, v_cache = rand(8, page, kv_heads, d), rand(8, page, kv_heads, d, seed=1)
-    tables = torch.arange(8, dtype=torch.int32, device=DEVICE)[None]
-    lens = torch.tensor([29], dtype=torch.int32, device=DEVICE)
-    q = rand(1, heads, d, seed=2)
-    weight = rand(nbytes // 2, dtype=torch.bfloat16, seed=3)
-    plain = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, splits=4, block_n=16)
-    hinted = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, splits=4, block_n=16, prefetch=weight)
-    assert torch.equal(plain, hinted)
-
-
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv(rows, dtype):

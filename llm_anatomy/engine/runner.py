@@ -120,7 +120,6 @@ class ModelRunner:
             context_lens=ints[:seqs],
             query_lens=tuple(batch.query_lens), prefix_lens=tuple(prefix_lens), num_decodes=batch.num_decodes,
             decode_splits=SHORT_SPLITS if short else None, decode_block_n=SHORT_BLOCK_N if short else None,
-            decode_prefetch=short,
         )
         return longs[:n_ids], longs[n_ids:n_ids + tokens], attn, longs[n_ids + 2 * tokens:]
 
@@ -170,7 +169,7 @@ class ModelRunner:
         for b in reversed(sizes):
             self.graphs[b] = self._capture_one(self._decode_forward(b))
             if b == 1:
-                self.short_graphs[b] = self._capture_one(self._decode_forward(b, SHORT_SPLITS, SHORT_BLOCK_N, True))
+                self.short_graphs[b] = self._capture_one(self._decode_forward(b, SHORT_SPLITS, SHORT_BLOCK_N))
         self._capture_prefill(max_prefill_tokens)
         self._build_attention_plans(max_prefill_tokens)
         torch.cuda.synchronize(dev)
@@ -194,11 +193,10 @@ class ModelRunner:
             self._mempool = self._mempool or graph.pool()
         return graph, out
 
-    def _decode_forward(self, b: int, splits: int | None = None, block_n: int | None = None, prefetch: bool = False):
+    def _decode_forward(self, b: int, splits: int | None = None, block_n: int | None = None):
         """The batch-b decode step over the static buffers (attention as the arguments say), logits out."""
         batch = AttentionBatch(self.pool.k, self.pool.v, self.static_slots[:b], False, self.static_tables[:b],
-                               self.static_lens[:b], decode_splits=splits, decode_block_n=block_n,
-                               decode_prefetch=prefetch)
+                               self.static_lens[:b], decode_splits=splits, decode_block_n=block_n)
         return lambda: self.model.compute_logits(self.model(self.static_ids[:b], self.static_pos[:b], batch))
 
     def _gemv_keys(self) -> list[tuple]:

@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import l2
 from .pdl import PDL, gdc_enter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -67,16 +66,11 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
 @triton.jit(do_not_specialize=["stride_tb", "splits"], do_not_specialize_on_alignment=["table_ptr", "ctx_ptr"])
 def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
                   stride_qb, stride_qh, stride_tb, stride_slot, stride_head, n_kv_heads, page_size, splits,
-                  prefetch_ptr, prefetch_bytes,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                  LANES: tl.constexpr):
+                  IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    if PREFETCH:  # the next weights (see l2.py) do not depend on the kernel before: asked for before the wait
-        l2.prefetch_share(prefetch_ptr, prefetch_bytes, (b * n_kv_heads + kvh) * splits + s,
-                          tl.num_programs(0) * n_kv_heads * splits, LANES, PREFETCH)
     # The lengths are written before the step, not by a kernel of it: read while the kernel before finishes. (Its
     # first tile of keys and values read there too was slower: 4.226 ms a step against 4.172 at 512 tokens on the
     # H200, commit f871882.)
@@ -144,10 +138,10 @@ def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            splits: int | None = None, block_n: int | None = None, num_warps: int = NUM_WARPS,
-                           num_stages: int = NUM_STAGES, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           num_stages: int = NUM_STAGES) -> torch.Tensor:
     """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D], in any strides that keep slots flat;
     block_tables [B, max_pages] int32; context_lens [B] int32 (0 for a padded row, which then gets zeros)
-    -> [B, H, D]. `prefetch`: a contiguous tensor (the next GEMV's weight) to ask into L2 meanwhile (CUDA)."""
+    -> [B, H, D]."""
     batch, n_heads, head_dim = q.shape
     n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     # slots are flat (page x page_size + position); any order of the head and slot dimensions is read
@@ -158,18 +152,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = block_n or BLOCK_N
     acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
-    prefetch = prefetch if prefetch is not None and q.is_cuda and not INTERPRET else None
-    if prefetch is not None:
-        assert prefetch.is_contiguous(), "prefetch: a contiguous tensor"
-        prefetch = prefetch.view(-1).view(torch.uint8)
     _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
-        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits,
-        q if prefetch is None else prefetch, 0 if prefetch is None else prefetch.numel() // 16 * 16, GROUP=group,
+        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET,
-        USE_PDL=PDL.on, PREFETCH=0 if prefetch is None else l2.MODE, LANES=32 * num_warps, launch_pdl=PDL.on,
-        num_warps=num_warps, num_stages=num_stages)
+        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
     _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,

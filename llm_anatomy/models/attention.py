@@ -30,9 +30,6 @@ class AttentionBatch:
     # The fast path's decode attention: context splits and tile, None for its defaults (see runner.SHORT_CONTEXT)
     decode_splits: int | None = None
     decode_block_n: int | None = None
-    # The fast path's decode attention asks o_proj's weights into L2 while it runs (kernels/l2.py): only where the
-    # context read is small, else the cache's reads would evict them before o_proj reads them (see runner)
-    decode_prefetch: bool = False
 
     @classmethod
     def fresh_prompt(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> "AttentionBatch":

@@ -140,8 +140,7 @@ class Attention(nn.Module, FastPath):
         scale = self.head_dim ** -0.5
         if not batch.is_prefill:
             return paged_decode_attention(out, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
-                                          splits=batch.decode_splits, block_n=batch.decode_block_n,
-                                          prefetch=self.o_proj.weight if batch.decode_prefetch else None)
+                                          splits=batch.decode_splits, block_n=batch.decode_block_n)
         q, k, v = out  # k, v: this step's keys and values, as stored
         return prefill_step_attention(q, k, v, k_cache, v_cache, batch,
                                       lambda *args: paged_decode_attention(*args, scale))
