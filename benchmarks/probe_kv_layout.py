@@ -9,8 +9,8 @@ programmatic dependent launch, with the engine's tile and splits and others (mor
 short graph's attention); pages in order (a fresh pool) and, with --layouts, shuffled (a long-running server's).
 
     python3 benchmarks/probe_kv_layout.py --out $OUT/kv_layout.json
-    python3 benchmarks/probe_kv_layout.py --step --rounds 7 --out $OUT/kv_merge_step.json  # the merge, in the step
-    python3 benchmarks/probe_kv_layout.py --tiles engine,separate_merge,short,short_separate_merge --out $OUT/kv.json
+    python3 benchmarks/probe_kv_layout.py --step --rounds 7 --out $OUT/kv_merge_step.json  # merge warps, in the step
+    python3 benchmarks/probe_kv_layout.py --tiles engine,short --out $OUT/kv.json  # only these tiles
 """
 
 from __future__ import annotations
@@ -45,10 +45,7 @@ TILES = {"engine": {}, "w8": {"num_warps": 8}, "n64": {"block_n": 64}, "s3": {"n
          # the engine's short-context graph (runner.SHORT_CONTEXT: 16 splits of 64 tokens) and its neighbours
          "short": {"splits": 16, "block_n": 64}, "short_merge_w2": {"splits": 16, "block_n": 64, "merge_warps": 2},
          "short_splits8": {"splits": 8, "block_n": 64}, "short_splits24": {"splits": 24, "block_n": 64},
-         "splits66_merge_w4": {"splits": 66, "merge_warps": 4}, "splits16_merge_w4": {"splits": 16, "merge_warps": 4},
-         # the merge in a second kernel (merge_warps above imply it), by the engine's warps rule
-         "separate_merge": {"merge_in_split": False},
-         "short_separate_merge": {"splits": 16, "block_n": 64, "merge_in_split": False}}
+         "splits66_merge_w4": {"splits": 66, "merge_warps": 4}, "splits16_merge_w4": {"splits": 16, "merge_warps": 4}}
 
 
 def caches(layout: str, pages: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,23 +65,11 @@ def merge_warps(warps: int | None):
     return mock.patch.object(decode_attention, "merge_warps", lambda splits_pad, head_dim: warps)
 
 
-def merge_in_split(on: bool):
-    """A context in which the partials are merged by the split kernel's last program (on) or by a second kernel."""
-    return mock.patch.object(decode_attention, "MERGE_IN_SPLIT_KERNEL", on)
-
-
 def step(rounds: int) -> dict:
-    """The engine's batch-1 decode step at 512 tokens (its short graph's attention) and at 32k, interleaved: the
-    merge in the split kernel; in a second kernel with its warps by the engine's rule; with one warp."""
+    """The engine's batch-1 decode step at 512 tokens (its short graph's attention) and at 32k, with the merge
+    kernel's warps by the engine's rule and with one warp, interleaved."""
     engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=32768 + 256, max_num_seqs=1)
-
-    def separate(warps):
-        stack = contextlib.ExitStack()
-        stack.enter_context(merge_in_split(False))
-        stack.enter_context(merge_warps(warps))
-        return stack
-    variants = {"in_split": lambda: merge_in_split(True), "separate": lambda: separate(None),
-                "separate_one_warp": lambda: separate(1)}
+    variants = {"rule": lambda: merge_warps(None), "one_warp": lambda: merge_warps(1)}
     out = {}
     for context, splits, block_n in ((512, SHORT_SPLITS, SHORT_BLOCK_N), (32768, None, None)):
         out[context] = interleaved(engine, decode_forward(engine, context, splits, block_n), variants, rounds)
@@ -100,7 +85,7 @@ def main(argv=None):
     parser.add_argument("--out")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--layouts", action="store_true", help="also head-major storage and shuffled pages")
-    parser.add_argument("--step", action="store_true", help="only the engine's decode step, the merge A/B")
+    parser.add_argument("--step", action="store_true", help="only the engine's decode step, merge warps A/B")
     parser.add_argument("--tiles", type=tile_list, default=list(TILES), help=f"comma-separated, of {','.join(TILES)}")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
@@ -129,11 +114,10 @@ def main(argv=None):
                 for tile_name in args.tiles:
                     tile = dict(TILES[tile_name])
                     warps = tile.pop("merge_warps", None)
-                    in_split = warps is None and tile.pop("merge_in_split", True)
                     fn = lambda k=k, v=v, table=table, tile=tile: [  # noqa: E731
                         decode_attention.paged_decode_attention(q, k[i], v[i], table, lens, HEAD_DIM ** -0.5, **tile)
                         for i in range(LAYERS)]
-                    with merge_warps(warps), merge_in_split(in_split):
+                    with merge_warps(warps):
                         outputs[(layout, order, tile_name)] = fn()[-1]
                         torch.cuda.synchronize()
                         graph = torch.cuda.CUDAGraph()

@@ -24,9 +24,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tile and pipelining: the best of benchmarks/bench_h200.py's section attn at 32k context on the H200
 # (at 512 tokens all configs were within 10%). Any config is correct.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
-# Whether the split kernel's last program per (sequence, KV head) merges the partials (an arrival counter tells
-# it it is last), or a second kernel does
-MERGE_IN_SPLIT_KERNEL = True
 
 
 def merge_warps(splits_pad: int, head_dim: int) -> int:
@@ -67,11 +64,10 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
 # The block tables' width, the split count and where the step's integers sit change from step to step: no
 # specialising on them, so that an eager step of a new shape does not compile a kernel.
 @triton.jit(do_not_specialize=["stride_tb", "splits"], do_not_specialize_on_alignment=["table_ptr", "ctx_ptr"])
-def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, out_ptr, count_ptr,
-                  scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, stride_slot, stride_head, n_kv_heads,
-                  page_size, splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                  MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
+                  stride_qb, stride_qh, stride_tb, stride_slot, stride_head, n_kv_heads, page_size, splits,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -107,33 +103,6 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
     tl.store(ml_ptr + base * 2, m, mask=gmask)
     tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
-    if MERGE:  # the last program of this (sequence, KV head) to finish merges its group's partials
-        tl.debug_barrier()  # the whole program's partials stored before the count moves (released with it)
-        count = count_ptr + b * n_kv_heads + kvh
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == splits - 1:
-            for i in tl.static_range(GROUP):
-                head = kvh * GROUP + i
-                _merge_head(acc_ptr, ml_ptr, out_ptr + b * stride_ob + head * stride_oh,
-                            (b * n_kv_heads * GROUP + head) * splits, splits, SPLITS_PAD, HEAD_DIM)
-            tl.store(count, 0)  # for the next launch
-
-
-@triton.jit
-def _merge_head(acc_ptr, ml_ptr, out_ptr, first, splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One head's output from its splits' partials (rows first .. first + splits - 1), read from L2 (.cg):
-    in the split kernel they were written by other programs."""
-    sp = tl.arange(0, SPLITS_PAD)
-    smask = sp < splits
-    rows = first + sp
-    m = tl.load(ml_ptr + rows * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(ml_ptr + rows * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-    m_all = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits weigh nothing
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(acc_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0, cache_modifier=".cg")
-    total = tl.sum(l * w, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
-    tl.store(out_ptr + d, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["splits"])
@@ -142,25 +111,23 @@ def _decode_attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_o
     gdc_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    _merge_head(acc_ptr, ml_ptr, out_ptr + b * stride_ob + h * stride_oh, (b * n_heads + h) * splits, splits,
-                SPLITS_PAD, HEAD_DIM)
+    sp = tl.arange(0, SPLITS_PAD)
+    smask = sp < splits
+    base = (b * n_heads + h) * splits + sp
+    m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits weigh nothing
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counts(device: torch.device, n: int) -> torch.Tensor:
-    """Per (sequence, KV head) counters of the split programs that have finished; each launch leaves them at
-    zero. Allocated before any graph capture (the warm-up before capturing runs the kernel once)."""
-    counts = _COUNTS.get(device)
-    if counts is None or counts.numel() < n:
-        counts = _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return counts
 
 
 def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
@@ -185,18 +152,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = block_n or BLOCK_N
     acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
+    _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
+        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET,
+        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
-    merge = MERGE_IN_SPLIT_KERNEL
-    _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, acc, ml, out,
-        _arrival_counts(q.device, batch * n_kv_heads) if merge else ml, scale, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads,
-        page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET, USE_PDL=PDL.on, MERGE=merge,
-        SPLITS_PAD=splits_pad, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
-    if not merge:
-        _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,
-                                        SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, USE_PDL=PDL.on, launch_pdl=PDL.on,
-                                        num_warps=merge_warps(splits_pad, head_dim))
+    _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,
+                                    SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, USE_PDL=PDL.on, launch_pdl=PDL.on,
+                                    num_warps=merge_warps(splits_pad, head_dim))
     return out
