@@ -42,14 +42,16 @@ class LaunchConfig(ctypes.Structure):
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-def launch(kernel, grid: int, block: int, args: list, pdl: bool) -> None:
-    """cuLaunchKernelEx on the current stream, with the PDL attribute or without."""
+def launch(kernel, grid: int, block: int, args: list, pdl: bool, shared: int = 0) -> None:
+    """cuLaunchKernelEx on the current stream, with the PDL attribute or without. args: tensors (their data
+    pointers), ints (C int) and floats (C float)."""
     libcuda = torch.cuda._utils._get_gpu_runtime_library()
     attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
-    config = LaunchConfig((grid, 1, 1), (block, 1, 1), 0, torch.cuda.current_stream().cuda_stream,
+    config = LaunchConfig((grid, 1, 1), (block, 1, 1), shared, torch.cuda.current_stream().cuda_stream,
                           ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
-    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+            else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
     params = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in held])
     result = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
     if result != 0:

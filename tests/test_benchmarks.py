@@ -93,9 +93,11 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
     parts, attention = probes("probe_decode_parts"), probes("probe_decode_attention")
     overlap, blas = probes("probe_gemv_overlap"), probes("probe_blas")
     persistent, fused, spacer = probes("probe_persistent_mlp"), probes("probe_fused_mlp"), probes("probe_spacer")
-    layout = probes("probe_kv_layout")
+    layout, stream_mlp = probes("probe_kv_layout"), probes("probe_stream_mlp")
     for main, argv, message in (
             (persistent.main, ["--layers", "0"], "want a positive whole number, got '0'"),
+            (stream_mlp.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
+            (layout.main, ["--tiles", "engine,nope"], "unknown tile nope"),
             (fused.main, ["--layers", "-1"], "want a positive whole number, got '-1'"),
             (spacer.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
             (layout.main, ["--rounds", "x"], "want a positive whole number, got 'x'"),
@@ -201,3 +203,20 @@ def test_kv_layout_probe_overrides_the_merge_warps_only_inside_its_block(probes)
     with probe.merge_warps(None):  # the engine's rule
         assert decode_attention.merge_warps(64, 128) == 2
     assert decode_attention.merge_warps(64, 128) == 2 and decode_attention.merge_warps(16, 128) == 1
+
+
+def test_cuda_probes_sources_and_launch_structs(probes):
+    """The CUDA C++ probes' sources come out of their templates whole, their shared memory fits a Hopper block
+    (227 KB), and the launch structures mirror the driver's CUlaunchConfig and CUlaunchAttribute."""
+    import ctypes
+
+    pytest.importorskip("triton")
+    chain, mlp, nvrtc = probes("probe_stream_chain"), probes("probe_stream_mlp"), probes("probe_nvrtc")
+    source = chain.SOURCE % {"K": 4096, "N": 6144, "ROWS": 4, "STAGES": 6, "MAX_GROUPS": 12, "WAIT": 1, "XS": 6144}
+    assert "%(" not in source and "#define N 6144" in source and "it % STAGES" in source
+    assert "%(" not in mlp.SOURCE and "#define I 12288" in mlp.SOURCE
+    assert mlp.SMEM <= 227 * 1024 and mlp.SLOT_BYTES >= max(2 * mlp.GU_ROWS * 4096 * 2, 12288 * 2)
+    assert ctypes.sizeof(nvrtc.LaunchAttribute) == 72 and nvrtc.LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(nvrtc.LaunchConfig) == 56
+    assert (nvrtc.LaunchConfig.stream.offset, nvrtc.LaunchConfig.attrs.offset, nvrtc.LaunchConfig.num_attrs.offset) \
+        == (32, 40, 48)
