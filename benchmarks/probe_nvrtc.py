@@ -2,8 +2,8 @@
 launch (PDL) and inside CUDA graphs? The groundwork for a decode megakernel (see RESULTS.md, eighth session).
 
 PyTorch compiles CUDA C++ source with NVRTC (torch.cuda._compile_kernel, which ships with its CUDA wheels); its
-launcher has no launch attributes, so the kernel is launched through the driver's cuLaunchKernelEx with
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (llm_anatomy/kernels/cuda.py). A chain of LAUNCHES kernels, each waiting for the one
+launcher has no launch attributes, so here the kernel is launched through the driver's cuLaunchKernelEx with
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION. A chain of LAUNCHES kernels, each waiting for the one
 before (griddepcontrol.wait) and adding 1 to every element, captured in a CUDA graph with and without the
 attribute: the result must be LAUNCHES everywhere, and the time per launch says what PDL saves.
 
@@ -13,13 +13,13 @@ attribute: the result must be LAUNCHES everywhere, and the time per launch says 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 from pathlib import Path
 
 import torch
 
 from bench_h200 import cuda_ms
-from llm_anatomy.kernels.cuda import launch
 
 LAUNCHES, N = 200, 1 << 16
 SOURCE = r"""
@@ -30,12 +30,40 @@ extern "C" __global__ void add_one(float* y, int n) {
     if (i < n) y[i] += 1.0f;
 }
 """
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def launch(kernel, grid: int, block: int, args: list, pdl: bool, shared: int = 0) -> None:
+    """cuLaunchKernelEx on the current stream, with the PDL attribute or without. args: tensors (their data
+    pointers), ints (C int) and floats (C float)."""
+    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = LaunchConfig((grid, 1, 1), (block, 1, 1), shared, torch.cuda.current_stream().cuda_stream,
+                          ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
+    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+            else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
+    params = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in held])
+    result = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
+    if result != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {result}")
+
+
 def chain(kernel, pdl: bool) -> dict:
     y = torch.zeros(N, device="cuda")
 
     def run():
         for _ in range(LAUNCHES):
-            launch(kernel, N // 256, 256, [y, N], pdl=pdl)
+            launch(kernel, N // 256, 256, [y, N], pdl)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()

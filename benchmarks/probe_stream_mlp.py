@@ -29,7 +29,7 @@ from bench_h200 import cuda_ms, positive_int
 from llm_anatomy.engine.tuning import cached_tiles, device_tag
 from llm_anatomy.kernels import gemv, norm
 from llm_anatomy.kernels.pdl import enable_pdl
-from llm_anatomy.kernels.cuda import launch
+from probe_nvrtc import launch
 
 LAYERS, HIDDEN, INTER, EPS = 36, 4096, 12288, 1e-6  # Qwen3-8B
 # A stage holds GU_ROWS gate rows and as many up rows, or one down row. Each consumer warp owns one stage and takes
@@ -279,7 +279,7 @@ def main(argv=None):
         x = x0
         for i in range(LAYERS):
             launch(kernel, sms, 32 * 9, [x, res, norm_ws[i], gate_ups[i], downs[i], act, outs[i], counter, EPS],
-                   shared_bytes=SMEM, pdl=True)
+                   pdl=True, shared=SMEM)
             x = outs[i]
         return x
 
@@ -292,7 +292,7 @@ def main(argv=None):
                     "last_out_vs_engine": rel(last_s, last_e), "last_residual_vs_engine": rel(res_s, res_e)}
     res_one = res0.clone()
     launch(kernel, sms, 32 * 9, [x0, res_one, norm_ws[0], gate_ups[0], downs[0], act, outs[0], counter, EPS],
-           shared_bytes=SMEM, pdl=False)
+           pdl=False, shared=SMEM)
     torch.cuda.synchronize()
     out["check"]["first_residual_exact"] = bool(torch.equal(res_one, ref_h))
     print("check", out["check"], flush=True)

@@ -123,48 +123,6 @@ def test_paged_decode_attention(dtype, splits, block_n, head_major):
     assert out[3].abs().sum() == 0
 
 
-def test_stream_block_layout_source_and_where_it_applies():
-    """The streaming block's shared memory: eight stages, each a gate row and its up row, a down row, or whole
-    o_proj rows; Qwen3-8B's fits a Hopper block (227 KB) and its source comes out of the template whole. It
-    never takes CPU tensors, nor more than one token."""
-    from llm_anatomy.kernels import stream_block
-
-    slot, o_rows, shared = stream_block.layout(4096, 4096, 12288)
-    assert (slot, o_rows) == (24576, 3) and shared == 8 * 24576 + 2 * 12288 + 8 * 16 + 8 * 4 <= 227 * 1024
-    assert stream_block.layout(1024, 2048, 3072)[:2] == (6144, 1)
-    source = stream_block.SOURCE % {"H": 4096, "Q": 4096, "I": 12288, "O_ROWS": 3, "SLOT": slot, "VEC": 12288,
-                                    "WARPS": 8, "O_PROJ": 1}
-    assert "%(" not in source and "#define SLOT_BYTES 24576" in source and "it % STAGES" in source
-    linear = lambda i, o: torch.nn.Linear(i, o, bias=False).bfloat16()  # noqa: E731
-    o_proj, gate_up, down = linear(512, 256), linear(256, 1536), linear(768, 256)
-    norm_w = torch.ones(256, dtype=torch.bfloat16)
-    for rows in (1, 2):
-        attn = torch.zeros(rows, 512, dtype=torch.bfloat16)
-        assert not stream_block.supports(attn, o_proj, norm_w, gate_up, down)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA C++ kernel (NVRTC): needs a CUDA device")
-@pytest.mark.parametrize("h,q,i", [(1024, 2048, 3072), (256, 512, 768), (4096, 4096, 12288)])
-def test_stream_block_matches_the_reference(h, q, i):
-    """o_proj + residual add + RMSNorm + MLP of one token, streamed (kernels/stream_block.py): the output within
-    bf16 rounding of the float32 products, the residual bit for bit, twice (the counters it leaves at zero)."""
-    from llm_anatomy.kernels import cuda, stream_block
-
-    if not cuda.available(DEVICE):
-        pytest.skip("needs a Hopper GPU and PyTorch's NVRTC")
-    w = lambda rows, cols, seed: rand(rows, cols, seed=seed, dtype=torch.bfloat16) / cols ** 0.5  # noqa: E731
-    o_proj, gate_up, down = w(h, q, 1), w(2 * i, h, 2), w(h, i, 3)
-    norm_w = (1 + 0.1 * rand(h, seed=4)).bfloat16()
-    attn, residual = rand(1, q, seed=5, dtype=torch.bfloat16), rand(1, h, seed=6, dtype=torch.bfloat16)
-    for with_o_proj in (True, True, False):  # twice: the counters it leaves at zero
-        ref_res, res = residual.clone(), residual.clone()
-        ref = stream_block.stream_block_reference(attn, ref_res, o_proj, norm_w, gate_up, down, 1e-6)
-        x = attn if with_o_proj else (attn.float() @ o_proj.float().T).bfloat16()  # o_proj's output, given
-        out = stream_block.stream_block(x, res, o_proj, norm_w, gate_up, down, 1e-6, with_o_proj)
-        assert rel(out, ref) < 1e-2 and torch.equal(res, ref_res)
-        assert stream_block._counts(DEVICE).abs().sum() == 0
-
-
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv(rows, dtype):

@@ -214,7 +214,7 @@ class ModelRunner:
     def _tune_gemv_tiles(self) -> TileTuning:
         """Each GEMV shape's tile, timed inside the captured batch-1 decode step (see tuning.py) at a context of
         up to 512 tokens (whatever the KV pool holds; nothing is stored), or read from the cache."""
-        from ..kernels import gemv, stream_block
+        from ..kernels import gemv
         from ..kernels.pdl import PDL
 
         bs = self.pool.block_size
@@ -236,9 +236,8 @@ class ModelRunner:
             end.synchronize()
             return start.elapsed_time(end) / 10
 
-        try:  # the Triton GEMVs timed in the step, those the streaming block replaces at batch 1 too (batch > 1)
-            with stream_block.disabled():
-                return tune_tiles(self._gemv_keys(), gemv.TILES, step_ms, device_tag(self.device), PDL.on)
+        try:
+            return tune_tiles(self._gemv_keys(), gemv.TILES, step_ms, device_tag(self.device), PDL.on)
         finally:
             self.static_pos.zero_()
             self.static_lens.zero_()

@@ -15,7 +15,7 @@ from .attention import AttentionBatch, attend, prefill_step_attention
 from .config import ModelConfig
 
 try:  # the fast path's kernels; without Triton the model runs the PyTorch path only
-    from ..kernels import gemv, norm, stream_block
+    from ..kernels import gemv, norm
     from ..kernels.activation import silu_mul
     from ..kernels.decode_attention import paged_decode_attention
     from ..kernels.rope import qk_norm_rope_store
@@ -114,10 +114,11 @@ class Attention(nn.Module, FastPath):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 batch: AttentionBatch) -> torch.Tensor:
-        if self.fast:
-            return linear(self.attend(x, positions, rotary, batch), self.o_proj, True)
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = linear(x, self.qkv_proj, self.fast)
+        if self.fast:
+            out = self._fast_attention(qkv, positions, rotary, batch)
+            return linear(out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj, True)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -127,12 +128,6 @@ class Attention(nn.Module, FastPath):
         q, k = rotary(q, positions), rotary(k, positions)
         out = attend(q, k, v, self.layer_idx, batch)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
-
-    def attend(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-               batch: AttentionBatch) -> torch.Tensor:
-        """The fast path up to o_proj: qkv, QK-norm/RoPE/store, attention -> [tokens, heads x head_dim]."""
-        out = self._fast_attention(linear(x, self.qkv_proj, True), positions, rotary, batch)
-        return out.reshape(x.shape[0], self.num_heads * self.head_dim)
 
     def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch) -> torch.Tensor:
         """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel."""
@@ -181,18 +176,9 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_forward(x, residual)
-        attn, mlp, norm2 = self.self_attn, self.mlp, self.post_attention_layernorm
-        if attn.fast and not batch.is_prefill and stream_block.supports(x, attn.o_proj, norm2.weight, mlp.gate_up_proj,
-                                                                        mlp.down_proj):
-            # one token: (o_proj,) the residual add, the norm and the MLP as one kernel streaming their weights
-            with_o_proj = stream_block.STREAM.with_o_proj
-            x = attn.attend(x, positions, rotary, batch) if with_o_proj else attn(x, positions, rotary, batch)
-            out = stream_block.stream_block(x, residual, attn.o_proj.weight, norm2.weight, mlp.gate_up_proj.weight,
-                                            mlp.down_proj.weight, norm2.eps, with_o_proj)
-            return out, residual
-        x = attn(x, positions, rotary, batch)
-        x, residual = norm2.add_forward(x, residual)
-        return mlp(x), residual
+        x = self.self_attn(x, positions, rotary, batch)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class Qwen3Model(nn.Module):
