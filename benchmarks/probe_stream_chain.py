@@ -24,6 +24,7 @@ import torch
 from bench_h200 import cuda_ms
 from llm_anatomy.kernels import gemv
 from llm_anatomy.kernels.pdl import enable_pdl
+from probe_nvrtc import STREAM_HELPERS
 
 LAYERS, N, K = 36, 4096, 4096  # the chain timed against the engine's GEMV: o_proj's shape
 # name -> (rows of W, rows per bulk copy, ring stages, whether products wait for the one before (else: timing
@@ -41,21 +42,7 @@ SOURCE = r"""
 #define CONSUMERS 256
 #define STAGE_BYTES (ROWS * K * 2)
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ bool mbar_done(unsigned bar, unsigned parity) {
-    unsigned ok;
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%%1], %%2; selp.u32 %%0, 1, 0, p; }"
-                 : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-    return ok;
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) { while (!mbar_done(bar, parity)) {} }
-__device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ unsigned short to_bf16(float f) {
-    unsigned u = __float_as_uint(f);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
+""" + STREAM_HELPERS + r"""
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
 stream_chain(const unsigned short* w, unsigned short* xs, unsigned* counter, int layers) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -87,9 +74,7 @@ stream_chain(const unsigned short* w, unsigned short* xs, unsigned* counter, int
                     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;"
                                  :: "r"(bar), "r"(STAGE_BYTES) : "memory");
                     const unsigned short* src = w + ((size_t)layer * N + (size_t)g * ROWS) * K;
-                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%%0], [%%1], %%2, [%%3];"
-                                 :: "r"(smem_addr(ring + (size_t)slot * ROWS * K)), "l"(src), "r"(STAGE_BYTES), "r"(bar)
-                                 : "memory");
+                    bulk_load(ring + (size_t)slot * ROWS * K, src, STAGE_BYTES, bar);
                 }
             }
         }
@@ -131,7 +116,7 @@ stream_chain(const unsigned short* w, unsigned short* xs, unsigned* counter, int
                     part[gi * ROWS + r] = acc;
                 }
                 __syncwarp();
-                if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%%0];" :: "r"(smem_addr(&empty[slot])) : "memory");
+                if (lane == 0) mbar_arrive(smem_addr(&empty[slot]));
                 ++it;
             }
         }
@@ -147,7 +132,7 @@ stream_chain(const unsigned short* w, unsigned short* xs, unsigned* counter, int
             float v = 0.f;
             #pragma unroll
             for (int k = 0; k < 8; ++k) v += red[k * MAX_GROUPS * ROWS + tid];
-            xs[(size_t)(layer + 1) * XS + g0 * ROWS + tid] = to_bf16(v);
+            xs[(size_t)(layer + 1) * XS + g0 * ROWS + tid] = (unsigned short)rne(v);
         }
         __threadfence();
         asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");

@@ -29,14 +29,14 @@ from bench_h200 import cuda_ms, positive_int
 from llm_anatomy.engine.tuning import cached_tiles, device_tag
 from llm_anatomy.kernels import gemv, norm
 from llm_anatomy.kernels.pdl import enable_pdl
-from probe_nvrtc import launch
+from probe_nvrtc import STREAM_HELPERS, launch
 
 LAYERS, HIDDEN, INTER, EPS = 36, 4096, 12288, 1e-6  # Qwen3-8B
 # A stage holds GU_ROWS gate rows and as many up rows, or one down row. Each consumer warp owns one stage and takes
 # every WARPS-th item: a warp never waits on a phase of its stage's barrier more than one ahead (with fewer stages
 # than warps, a parity wait two phases ahead passed at once, and the kernel failed)
 GU_ROWS, STAGES, SLOT_BYTES = 1, 8, 24576
-SOURCE = r"""
+SOURCE = (r"""
 #define H %(H)d
 #define I %(I)d
 #define GU_ROWS %(GU_ROWS)d
@@ -46,29 +46,8 @@ SOURCE = r"""
 #define CONSUMERS (WARPS * 32)
 typedef unsigned short bf16;
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ bool mbar_done(unsigned bar, unsigned parity) {
-    unsigned ok;
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%%1], %%2; selp.u32 %%0, 1, 0, p; }"
-                 : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-    return ok;
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) { while (!mbar_done(bar, parity)) {} }
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%%0];" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%%0], [%%1], %%2, [%%3];"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
+""" + STREAM_HELPERS + r"""
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory"); }
-__device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ unsigned rne(float f) {  // float -> bf16 bits, round to nearest even
-    unsigned u = __float_as_uint(f);
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-__device__ __forceinline__ float round_bf16(float f) { return __uint_as_float(rne(f) << 16); }
 __device__ __forceinline__ unsigned pack(float a, float b) { return rne(a) | (rne(b) << 16); }
 __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
     return lo(w.x) * lo(x.x) + hi(w.x) * hi(x.x) + lo(w.y) * lo(x.y) + hi(w.y) * hi(x.y)
@@ -225,7 +204,7 @@ stream_mlp(const bf16* x, bf16* res, const bf16* norm_w, const bf16* gate_up, co
         if (lane == 0) out[ra + k] = (bf16)rne(a);
     }
 }
-""" % {"H": HIDDEN, "I": INTER, "GU_ROWS": GU_ROWS, "STAGES": STAGES, "SLOT_BYTES": SLOT_BYTES}
+""") % {"H": HIDDEN, "I": INTER, "GU_ROWS": GU_ROWS, "STAGES": STAGES, "SLOT_BYTES": SLOT_BYTES}
 SMEM = STAGES * SLOT_BYTES + INTER * 2 + 2 * STAGES * 8 + 8 * 4
 
 
