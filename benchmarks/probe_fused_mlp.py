@@ -18,7 +18,6 @@ The fused output after two layers is compared with the kernels'.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -27,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_h200 import cuda_ms, positive_int
+from bench_h200 import cuda_ms
 from llm_anatomy.kernels import gemv as gemv_module, norm
-from llm_anatomy.kernels.pdl import PDL, enable_pdl, gdc_enter
-from probe_persistent_mlp import HIDDEN, mlp_weights, use_tiles
+from llm_anatomy.kernels.pdl import PDL, gdc_enter
+from probe_persistent_mlp import HIDDEN, mlp_probe_args, mlp_weights, use_tiles
 
 EPS = 1e-6
 # the engine's tiles for gate_up and down, as start-up picked them on the H200 in the seventh session's first run
@@ -127,13 +126,8 @@ TILES = {  # rows per program, K tile of gate_up, H tile of down, warps, stages
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out")
-    parser.add_argument("--layers", type=positive_int, default=36)
-    parser.add_argument("--rounds", type=positive_int, default=3)
-    args = parser.parse_args(argv)
+    args = mlp_probe_args(argv)
     dev = torch.device("cuda")
-    enable_pdl(dev)
     g = torch.Generator(device=dev).manual_seed(0)
     gate_up, down = mlp_weights(args.layers, g)
     down_t = down.transpose(1, 2).contiguous()

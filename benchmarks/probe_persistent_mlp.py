@@ -40,6 +40,17 @@ def mlp_weights(layers: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Te
     return gate_up.bfloat16(), down.bfloat16()
 
 
+def mlp_probe_args(argv, rounds: int = 3) -> argparse.Namespace:
+    """The MLP probes' arguments (--out, --layers, --rounds), checked before any GPU work; then PDL on."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--layers", type=positive_int, default=36)
+    parser.add_argument("--rounds", type=positive_int, default=rounds)
+    args = parser.parse_args(argv)
+    enable_pdl(torch.device("cuda"))
+    return args
+
+
 def use_tiles(gate_up: gemv_module.Tile, down: gemv_module.Tile) -> None:
     """The engine's GEMV tiles for the MLP's two shapes in bf16, as some start-up on the H200 picked them."""
     gemv_module.TILES[gemv_module.tile_key(INTER, HIDDEN, True, torch.bfloat16)] = gate_up
@@ -190,13 +201,8 @@ TILES = {  # gate_up BN1 x BK1, down BN2 x BK2, K tiles read ahead, warps, stage
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out")
-    parser.add_argument("--layers", type=positive_int, default=36)
-    parser.add_argument("--rounds", type=positive_int, default=3)
-    args = parser.parse_args(argv)
+    args = mlp_probe_args(argv)
     dev = torch.device("cuda")
-    enable_pdl(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     g = torch.Generator(device=dev).manual_seed(0)
     wgu, wd = mlp_weights(args.layers, g)

@@ -15,7 +15,6 @@ lets the next launch: programmatic dependent launch) goes between them:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -27,13 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_h200 import cuda_ms, make_engine, positive_int
+from bench_h200 import cuda_ms, make_engine
 from llm_anatomy.kernels import gemv as gemv_module, norm
-from llm_anatomy.kernels.pdl import PDL, enable_pdl, gdc_enter
+from llm_anatomy.kernels.pdl import PDL, gdc_enter
 from llm_anatomy.models import qwen3
 from probe_decode_parts import decode_forward, interleaved
 from probe_fused_mlp import EPS, SESSION7_TILES
-from probe_persistent_mlp import HIDDEN, mlp_weights, use_tiles
+from probe_persistent_mlp import HIDDEN, mlp_probe_args, mlp_weights, use_tiles
 
 CONTEXTS = (512, 32768)
 
@@ -113,12 +112,7 @@ def step(rounds: int) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out")
-    parser.add_argument("--rounds", type=positive_int, default=5)
-    parser.add_argument("--layers", type=positive_int, default=36)
-    args = parser.parse_args(argv)
-    enable_pdl(torch.device("cuda"))
+    args = mlp_probe_args(argv, rounds=5)
     use_tiles(*SESSION7_TILES)
     out = {}
     with torch.inference_mode():
