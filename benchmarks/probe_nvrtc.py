@@ -30,9 +30,9 @@ extern "C" __global__ void add_one(float* y, int n) {
     if (i < n) y[i] += 1.0f;
 }
 """
-# Device helpers shared by the streaming probes' CUDA sources (probe_stream_chain.py, probe_stream_mlp.py): mbarrier
-# waits and bulk copies into shared memory, bf16 <-> float. A piece of a %-template (hence the %%), placed before
-# the kernels and formatted with them.
+# Device helpers shared by the streaming kernels' CUDA sources (probe_stream_chain.py, probe_stream_mlp.py,
+# decode_step_kernel.py): mbarrier waits and bulk copies into shared memory, bf16 <-> float, a dot product of 8 bf16
+# pairs, a warp's sum. A piece of a %-template (hence the %%), placed before the kernels and formatted with them.
 STREAM_HELPERS = r"""
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ bool mbar_done(unsigned bar, unsigned parity) {
@@ -56,6 +56,15 @@ __device__ __forceinline__ unsigned rne(float f) {  // float -> bf16 bits, round
     return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 __device__ __forceinline__ float round_bf16(float f) { return __uint_as_float(rne(f) << 16); }
+__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
+    return lo(w.x) * lo(x.x) + hi(w.x) * hi(x.x) + lo(w.y) * lo(x.y) + hi(w.y) * hi(x.y)
+         + lo(w.z) * lo(x.z) + hi(w.z) * hi(x.z) + lo(w.w) * lo(x.w) + hi(w.w) * hi(x.w);
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
 """
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
@@ -71,13 +80,13 @@ class LaunchConfig(ctypes.Structure):
 
 def launch(kernel, grid: int, block: int, args: list, pdl: bool, shared: int = 0) -> None:
     """cuLaunchKernelEx on the current stream, with the PDL attribute or without. args: tensors (their data
-    pointers), ints (C int) and floats (C float)."""
+    pointers), ints (C int), floats (C float) and ctypes values (as they are, e.g. c_longlong)."""
     libcuda = torch.cuda._utils._get_gpu_runtime_library()
     attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
     config = LaunchConfig((grid, 1, 1), (block, 1, 1), shared, torch.cuda.current_stream().cuda_stream,
                           ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
-    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else a if isinstance(a, ctypes._SimpleCData)
             else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
     params = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in held])
     result = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)

@@ -49,15 +49,6 @@ typedef unsigned short bf16;
 """ + STREAM_HELPERS + r"""
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory"); }
 __device__ __forceinline__ unsigned pack(float a, float b) { return rne(a) | (rne(b) << 16); }
-__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
-    return lo(w.x) * lo(x.x) + hi(w.x) * hi(x.x) + lo(w.y) * lo(x.y) + hi(w.y) * hi(x.y)
-         + lo(w.z) * lo(x.z) + hi(w.z) * hi(x.z) + lo(w.w) * lo(x.w) + hi(w.w) * hi(x.w);
-}
-__device__ __forceinline__ float warp_sum(float v) {
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // x: the attention block's output; res: the residual stream, res <- x + res; out <- MLP(RMSNorm(x + res)).
 // act: scratch for SiLU(gate) * up. counter: two zeros, left at zero.

@@ -220,3 +220,26 @@ def test_cuda_probes_sources_and_launch_structs(probes):
     assert ctypes.sizeof(nvrtc.LaunchConfig) == 56
     assert (nvrtc.LaunchConfig.stream.offset, nvrtc.LaunchConfig.attrs.offset, nvrtc.LaunchConfig.num_attrs.offset) \
         == (32, 40, 48)
+
+
+def test_decode_step_kernel_source_and_shapes(probes):
+    """The whole-step CUDA kernel's source comes out whole for Qwen3-8B (every option defined, the helpers' %
+    escapes undone), fits a Hopper block's shared memory, and `supports` says why it does not run other shapes."""
+    from llm_anatomy.hub import resolve
+    from llm_anatomy.models.config import ModelConfig
+
+    pytest.importorskip("triton")
+    kernel = probes("decode_step_kernel")
+    eight = ModelConfig.from_hf(resolve("Qwen/Qwen3-8B").config)
+    source = kernel.source(eight.hidden_size, eight.q_size, eight.kv_size, eight.intermediate_size, hold=2)
+    for define in ("#define H 4096", "#define I 12288", "#define KVD 1024", "#define HOLD 2", "#define TIMELINE 0",
+                   "#define NO_WEIGHTS 0"):
+        assert define in source
+    assert "%%" not in source and "asm volatile(\"mbarrier.arrive.shared::cta.b64 _, [%0];\"" in source
+    assert kernel.shared_bytes(eight.intermediate_size) <= 227 * 1024
+    assert kernel.supports(eight, torch.bfloat16, torch.bfloat16) is None
+    assert "bf16" in kernel.supports(eight, torch.float16, torch.bfloat16)
+    small = ModelConfig.from_hf(resolve("Qwen/Qwen3-0.6B").config)
+    assert "rows too short" in kernel.supports(small, torch.bfloat16, torch.bfloat16)
+    fourteen = ModelConfig.from_hf(resolve("Qwen/Qwen3-14B").config)
+    assert "too long" in kernel.supports(fourteen, torch.bfloat16, torch.bfloat16)
