@@ -56,13 +56,24 @@ typedef unsigned short bf16;
 
 struct Layer { const bf16 *in_norm, *qkv, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down; };
 
+// Waits that do not spin: the thread sleeps in try_wait until the phase completes (the hint, in ns, bounds each
+// sleep), leaving the issue slots of its scheduler to the warps that compute. A spinning producer shares a
+// scheduler with consumer warps 0 and 4.
+__device__ __forceinline__ void mbar_sleep_wait(unsigned bar, unsigned parity) {
+    unsigned ok;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(ok) : "r"(bar), "r"(parity), "r"(0x989680) : "memory");
+    } while (!ok);
+}
+
 struct Ring {  // a block's ring: stage s is filled through full[s], handed back through empty[s]
     unsigned char* stages;
     unsigned long long* full;
     unsigned long long* empty;
     __device__ const bf16* wait_item(unsigned it) const {
         unsigned s = it % STAGES;
-        mbar_wait(smem_addr(&full[s]), (it / STAGES) & 1);
+        mbar_sleep_wait(smem_addr(&full[s]), (it / STAGES) & 1);
         return (const bf16*)(stages + s * SLOT_BYTES);
     }
     __device__ void release_item(unsigned it) const {
@@ -71,7 +82,7 @@ struct Ring {  // a block's ring: stage s is filled through full[s], handed back
     }
     __device__ void produce(unsigned it, const void* a, unsigned na, const void* b, unsigned nb) const {
         unsigned s = it % STAGES, round = it / STAGES;
-        if (round > 0) mbar_wait(smem_addr(&empty[s]), (round - 1) & 1);
+        if (round > 0) mbar_sleep_wait(smem_addr(&empty[s]), (round - 1) & 1);
         unsigned bar = smem_addr(&full[s]);
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(na + nb) : "memory");
         bulk_load(stages + s * SLOT_BYTES, a, na, bar);
@@ -87,6 +98,13 @@ __device__ __forceinline__ unsigned long long now_ns() {
     return t;
 }
 #define MARK(row, e) do { if (TIMELINE && timeline) timeline[(size_t)(row) * (EVENTS_PER_LAYER * n_layers + 2) + (e)] = now_ns(); } while (0)
+// a phase's end: when the block's last consumer warp is done with it
+#define MARK_ALL(e) do { if (TIMELINE && timeline) { consumers_sync(); MARK(blockIdx.x, e); } } while (0)
+
+struct Pending { const bf16* a; const bf16* b; unsigned na, nb; };  // a ring stage's sources, not yet copied
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory"); }
 __device__ __forceinline__ float warp_max(float v) {
@@ -99,6 +117,8 @@ __device__ __forceinline__ bf16 ldg_bf16(const bf16* p) { return __ldcg((const u
 __device__ __forceinline__ int rows_lo(int n) { return (int)((long long)blockIdx.x * n / gridDim.x); }
 __device__ __forceinline__ int rows_hi(int n) { return (int)((long long)(blockIdx.x + 1) * n / gridDim.x); }
 __device__ __forceinline__ int items(int rows, int per) { return (rows + per - 1) / per; }
+// a warp's rank for latency-bound tasks: warps 1, 2, 3, 5, 6, 7 first, then 0 and 4 (the producer's scheduler)
+__device__ __forceinline__ int task_rank(int warp) { return warp % 4 ? warp - 1 - warp / 4 : 6 + warp / 4; }
 
 // Every block's writes before it are visible to every block after it. Consumers only; barrier k of the step
 // (from 1) waits for k arrivals of every block on one counter, so nothing needs resetting between barriers.
@@ -110,7 +130,11 @@ __device__ void grid_wait(unsigned* counter, unsigned k) {
     if (threadIdx.x == 0) {
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
         unsigned seen, target = k * gridDim.x;
-        do { asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory"); } while (seen < target);
+        while (true) {
+            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+            if (seen >= target) break;
+            __nanosleep(32);
+        }
     }
     consumers_sync();
 }
@@ -194,36 +218,14 @@ __device__ __forceinline__ void norm_rope(unsigned x1, unsigned x2, const bf16* 
 }
 
 // One warp: the GROUP query heads of KV head g over context tokens [c0, c1) -> unnormalised partials of chunk c.
+// Each 32 tokens' keys and values are asked for first (they depend only on the block table); the queries are normed
+// and rotated while the first arrive. This step's own key and value (position pos) come from qkv, not the cache:
+// knew (the warp's 128 bf16 in shared memory) for the lane whose token it is, vnew for every lane's 4 dimensions.
 __device__ void attend_chunk(const bf16* qkv, const Layer& w, float eps, const float* cos_row, const float* sin_row,
-                             const bf16* kc, const bf16* vc, const int* table, int page, long long slot_stride,
-                             int pos, long long slot_new, int g, int c, int c0, int c1, float* qs,
+                             bf16* kc, bf16* vc, const int* table, int page, long long slot_stride,
+                             int pos, long long slot_new, int g, int c, int c0, int c1, float* qs, bf16* knew,
                              float* part_acc, float* part_ml) {
     const int lane = threadIdx.x & 31;
-    unsigned x1[GROUP + 1], x2[GROUP + 1];  // every head's values loaded at once (the last: the key's)
-    #pragma unroll
-    for (int h = 0; h <= GROUP; ++h) {
-        const bf16* src = qkv + (h < GROUP ? (g * GROUP + h) * HEAD_DIM : QD + g * HEAD_DIM);
-        x1[h] = __ldcg((const unsigned*)(src + 2 * lane));
-        x2[h] = __ldcg((const unsigned*)(src + 64 + 2 * lane));
-    }
-    #pragma unroll
-    for (int h = 0; h < GROUP; ++h) {
-        float a[2], b[2];
-        norm_rope(x1[h], x2[h], w.q_norm, eps, cos_row, sin_row, a, b);
-        float* q = qs + h * HEAD_DIM;
-        q[2 * lane] = a[0]; q[2 * lane + 1] = a[1]; q[64 + 2 * lane] = b[0]; q[65 + 2 * lane] = b[1];
-    }
-    if (pos >= c0 && pos < c1 && slot_new >= 0) {  // this step's key and value go into the cache first
-        float a[2], b[2];
-        norm_rope(x1[GROUP], x2[GROUP], w.k_norm, eps, cos_row, sin_row, a, b);
-        bf16* kd = (bf16*)kc + slot_new * slot_stride + g * HEAD_DIM;
-        *(unsigned*)(kd + 2 * lane) = rne(a[0]) | (rne(a[1]) << 16);
-        *(unsigned*)(kd + 64 + 2 * lane) = rne(b[0]) | (rne(b[1]) << 16);
-        const bf16* vs = qkv + QD + KVD + g * HEAD_DIM;
-        *(uint2*)((bf16*)vc + slot_new * slot_stride + g * HEAD_DIM + 4 * lane) = __ldcg((const uint2*)(vs + 4 * lane));
-        __threadfence_block();
-    }
-    __syncwarp();
     const float scale = rsqrtf((float)HEAD_DIM);
     float m[GROUP], l[GROUP], acc[GROUP][4];
     #pragma unroll
@@ -232,6 +234,7 @@ __device__ void attend_chunk(const bf16* qkv, const Layer& w, float eps, const f
         #pragma unroll
         for (int i = 0; i < 4; ++i) acc[h][i] = 0.f;
     }
+    uint2 vnew;
     for (int s0 = c0; s0 < c1; s0 += 32) {
         const int t = s0 + lane;
         const bool valid = t < c1;
@@ -247,6 +250,42 @@ __device__ void attend_chunk(const bf16* qkv, const Layer& w, float eps, const f
         for (int j = 0; j < 16; ++j) {  // invalid tokens read slot 0 and get p = 0
             long long sj = __shfl_sync(0xffffffffu, slot, j);
             vr[j] = __ldcg((const uint2*)(vc + sj * slot_stride + g * HEAD_DIM + 4 * lane));
+        }
+        if (s0 == c0) {  // the queries (and, in the chunk that holds it, this step's key and value), meanwhile
+            unsigned x1[GROUP + 1], x2[GROUP + 1];  // every head's values loaded at once (the last: the key's)
+            #pragma unroll
+            for (int h = 0; h <= GROUP; ++h) {
+                const bf16* src = qkv + (h < GROUP ? (g * GROUP + h) * HEAD_DIM : QD + g * HEAD_DIM);
+                x1[h] = __ldcg((const unsigned*)(src + 2 * lane));
+                x2[h] = __ldcg((const unsigned*)(src + 64 + 2 * lane));
+            }
+            #pragma unroll
+            for (int h = 0; h < GROUP; ++h) {
+                float a[2], b[2];
+                norm_rope(x1[h], x2[h], w.q_norm, eps, cos_row, sin_row, a, b);
+                float* q = qs + h * HEAD_DIM;
+                q[2 * lane] = a[0]; q[2 * lane + 1] = a[1]; q[64 + 2 * lane] = b[0]; q[65 + 2 * lane] = b[1];
+            }
+            if (pos >= c0 && pos < c1) {
+                float a[2], b[2];
+                norm_rope(x1[GROUP], x2[GROUP], w.k_norm, eps, cos_row, sin_row, a, b);
+                const unsigned k1 = rne(a[0]) | (rne(a[1]) << 16), k2 = rne(b[0]) | (rne(b[1]) << 16);
+                ((unsigned*)knew)[lane] = k1;
+                ((unsigned*)knew)[32 + lane] = k2;
+                vnew = __ldcg((const uint2*)(qkv + QD + KVD + g * HEAD_DIM + 4 * lane));
+                if (slot_new >= 0) {  // into the cache, for the steps after this one
+                    bf16* kd = kc + slot_new * slot_stride + g * HEAD_DIM;
+                    *(unsigned*)(kd + 2 * lane) = k1;
+                    *(unsigned*)(kd + 64 + 2 * lane) = k2;
+                    *(uint2*)(vc + slot_new * slot_stride + g * HEAD_DIM + 4 * lane) = vnew;
+                }
+            }
+            __syncwarp();
+        }
+        const int jp = pos - s0;  // this step's token among these 32, if 0 <= jp < 32
+        if (lane == jp) {
+            #pragma unroll
+            for (int i = 0; i < 16; ++i) kr[i] = ((const uint4*)knew)[i];
         }
         float s[GROUP];
         #pragma unroll
@@ -280,7 +319,7 @@ __device__ void attend_chunk(const bf16* qkv, const Layer& w, float eps, const f
         }
         #pragma unroll
         for (int j = 0; j < 32; ++j) {
-            uint2 v = vr[j];
+            uint2 v = j == jp ? vnew : vr[j];
             float v0 = lo(v.x), v1 = hi(v.x), v2 = lo(v.y), v3 = hi(v.y);
             #pragma unroll
             for (int h = 0; h < GROUP; ++h) {
@@ -295,12 +334,16 @@ __device__ void attend_chunk(const bf16* qkv, const Layer& w, float eps, const f
         *(float4*)(part_acc + (long long)at * HEAD_DIM + 4 * lane) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
         if (lane == 0) { part_ml[2 * at] = m[h]; part_ml[2 * at + 1] = l[h]; }
     }
-    __syncwarp();  // qs is reused by the warp's next chunk
+    __syncwarp();  // qs and knew are reused by the warp's next chunk
 }
 
-// One warp: 32 dimensions of one head, merged over the chunks' partials.
+// One warp: 32 dimensions of one head, merged over the chunks' partials (the first 32 chunks' sums asked for with
+// the maxima, not after them).
 __device__ void merge_head(const float* part_acc, const float* part_ml, int n_chunks, int head, int d, bf16* out) {
     const int lane = threadIdx.x & 31, base = head * MAX_CHUNKS;
+    float first[32];
+    #pragma unroll
+    for (int c = 0; c < 32; ++c) first[c] = c < n_chunks ? __ldcg(part_acc + (long long)(base + c) * HEAD_DIM + d) : 0.f;
     float m0 = lane < n_chunks ? __ldcg(part_ml + 2 * (base + lane)) : -INFINITY;
     float m1 = lane + 32 < n_chunks ? __ldcg(part_ml + 2 * (base + lane + 32)) : -INFINITY;
     float l0 = lane < n_chunks ? __ldcg(part_ml + 2 * (base + lane) + 1) : 0.f;
@@ -309,11 +352,10 @@ __device__ void merge_head(const float* part_acc, const float* part_ml, int n_ch
     const float w0 = lane < n_chunks ? __expf(m0 - m_all) : 0.f, w1 = lane + 32 < n_chunks ? __expf(m1 - m_all) : 0.f;
     const float total = warp_sum(l0 * w0 + l1 * w1);
     float o = 0.f;
-    #pragma unroll 8
-    for (int c = 0; c < n_chunks; ++c) {
-        float wa = __shfl_sync(0xffffffffu, w0, c & 31), wb = __shfl_sync(0xffffffffu, w1, c & 31);
-        o += (c < 32 ? wa : wb) * __ldcg(part_acc + (long long)(base + c) * HEAD_DIM + d);
-    }
+    #pragma unroll
+    for (int c = 0; c < 32; ++c) o += __shfl_sync(0xffffffffu, w0, c) * first[c];
+    for (int c = 32; c < n_chunks; ++c)
+        o += __shfl_sync(0xffffffffu, w1, c & 31) * __ldcg(part_acc + (long long)(base + c) * HEAD_DIM + d);
     out[head * HEAD_DIM + d] = (bf16)rne(o / total);
 }
 
@@ -345,25 +387,44 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
 
     if (warp == WARPS) {  // the producer: weights depend on nothing, so it runs ahead through the whole step
         if (lane == 0 && !NO_WEIGHTS) {
+            // With PREFETCH, each stage's rows are first asked into L2 (a bulk prefetch) PREFETCH stages ahead of
+            // their copy into the ring, so that DRAM keeps streaming while the ring is full (a phase that reads no
+            // weights, a grid-wide wait).
+            Pending queue[PREFETCH + 1];
+            int head = 0, count = 0;
             unsigned it = 0;
+            auto emit = [&](const bf16* a, unsigned na, const bf16* b, unsigned nb) {
+                if (PREFETCH == 0) { ring.produce(it++, a, na, b, nb); return; }
+                prefetch_l2(a, na);
+                if (nb) prefetch_l2(b, nb);
+                queue[(head + count) % (PREFETCH + 1)] = Pending{a, b, na, nb};
+                if (++count > PREFETCH) {
+                    const Pending q = queue[head];
+                    head = (head + 1) % (PREFETCH + 1);
+                    --count;
+                    ring.produce(it++, q.a, q.na, q.b, q.nb);
+                }
+            };
             for (int l = 0; l < n_layers; ++l) {
                 const Layer w = layers[l];
                 const int row = gridDim.x + blockIdx.x, e = l * EVENTS_PER_LAYER;
-                if (HOLD >= 2) while (*entered < 6 * l) {}
-                for (int r = q0; r < q1; r += ROWS_H) ring.produce(it++, w.qkv + (size_t)r * H, min(ROWS_H, q1 - r) * H * 2, 0, 0);
+                if (HOLD >= 2) while (*entered < 6 * l) __nanosleep(64);
+                for (int r = q0; r < q1; r += ROWS_H) emit(w.qkv + (size_t)r * H, min(ROWS_H, q1 - r) * H * 2, 0, 0);
                 MARK(row, e + 1);
-                if (HOLD >= 1) while (*entered < 6 * l + 3) {}
-                for (int r = h0; r < h1; r += ROWS_Q) ring.produce(it++, w.o + (size_t)r * QD, min(ROWS_Q, h1 - r) * QD * 2, 0, 0);
+                if (HOLD >= 1) while (*entered < 6 * l + 3) __nanosleep(64);
+                for (int r = h0; r < h1; r += ROWS_Q) emit(w.o + (size_t)r * QD, min(ROWS_Q, h1 - r) * QD * 2, 0, 0);
                 MARK(row, e + 7);
-                if (HOLD >= 2) while (*entered < 6 * l + 4) {}
-                for (int r = i0; r < i1; ++r) ring.produce(it++, w.gate_up + (size_t)r * H, H * 2, w.gate_up + (size_t)(I + r) * H, H * 2);
+                if (HOLD >= 2) while (*entered < 6 * l + 4) __nanosleep(64);
+                for (int r = i0; r < i1; ++r) emit(w.gate_up + (size_t)r * H, H * 2, w.gate_up + (size_t)(I + r) * H, H * 2);
                 MARK(row, e + 9);
-                if (HOLD >= 2) while (*entered < 6 * l + 5) {}
-                for (int r = h0; r < h1; ++r) ring.produce(it++, w.down + (size_t)r * I, I * 2, 0, 0);
+                if (HOLD >= 2) while (*entered < 6 * l + 5) __nanosleep(64);
+                for (int r = h0; r < h1; ++r) emit(w.down + (size_t)r * I, I * 2, 0, 0);
                 MARK(row, e + 11);
             }
-            if (HOLD >= 2) while (*entered < 6 * n_layers) {}
-            for (int r = v0; r < v1; r += ROWS_H) ring.produce(it++, lm_head + (size_t)r * H, min(ROWS_H, v1 - r) * H * 2, 0, 0);
+            if (HOLD >= 2) while (*entered < 6 * n_layers) __nanosleep(64);
+            for (int r = v0; r < v1; r += ROWS_H) emit(lm_head + (size_t)r * H, min(ROWS_H, v1 - r) * H * 2, 0, 0);
+            for (; count > 0; --count, head = (head + 1) % (PREFETCH + 1))
+                ring.produce(it++, queue[head].a, queue[head].na, queue[head].b, queue[head].nb);
             MARK(gridDim.x + blockIdx.x, EVENTS_PER_LAYER * n_layers + 1);
         }
         return;
@@ -391,22 +452,24 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         load_x<H / 256>(vec, xr);
         dot_rows<H / 256>(ring, base, q0, q1, ROWS_H, xr, [&](int r, float a) { qkv_out[r] = (bf16)rne(a); });
         base += n_qkv;
-        MARK(blockIdx.x, e + 1);
+        MARK_ALL(e + 1);
         grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 2);
         // QK-norm, RoPE, KV store, attention: (KV head, chunk) tasks over every warp of the grid
         float* qs = (float*)vec + warp * GROUP * HEAD_DIM;
-        for (int t = blockIdx.x + gridDim.x * warp; t < NKV * n_chunks; t += gridDim.x * WARPS) {
+        bf16* knew = (bf16*)((float*)vec + WARPS * GROUP * HEAD_DIM) + warp * HEAD_DIM;
+        // the latency-bound tasks go first to warps 1, 2, 3, 5, 6, 7 (warps 0 and 4 share a scheduler with the producer)
+        for (int t = blockIdx.x + gridDim.x * task_rank(warp); t < NKV * n_chunks; t += gridDim.x * WARPS) {
             const int g = t / n_chunks, c = t % n_chunks;
             attend_chunk(qkv_out, w, eps, cos_row, sin_row, kc, vc, table, page, slot_stride, (int)pos, slot_new, g, c,
-                         c * chunk, min(c * chunk + chunk, ctx), qs, part_acc, part_ml);
+                         c * chunk, min(c * chunk + chunk, ctx), qs, knew, part_acc, part_ml);
         }
-        MARK(blockIdx.x, e + 3);
+        MARK_ALL(e + 3);
         grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 4);
-        for (int t = blockIdx.x + gridDim.x * warp; t < NQ * (HEAD_DIM / 32); t += gridDim.x * WARPS)
+        for (int t = blockIdx.x + gridDim.x * task_rank(warp); t < NQ * (HEAD_DIM / 32); t += gridDim.x * WARPS)
             merge_head(part_acc, part_ml, n_chunks, t / (HEAD_DIM / 32), (t % (HEAD_DIM / 32)) * 32 + lane, attn_out);
-        MARK(blockIdx.x, e + 5);
+        MARK_ALL(e + 5);
         grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 6);
         if (tid == 0) *entered = 6 * l + 3;
@@ -422,7 +485,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
             base += n_o;
         }
         resid = res;
-        MARK(blockIdx.x, e + 7);
+        MARK_ALL(e + 7);
         grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 8);
         if (tid == 0) *entered = 6 * l + 4;
@@ -443,7 +506,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
             if (lane == 0) act[i0 + j] = (bf16)rne(round_bf16(g / (1.f + __expf(-g))) * u);
         }
         base += n_gu;
-        MARK(blockIdx.x, e + 9);
+        MARK_ALL(e + 9);
         grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 10);
         if (tid == 0) *entered = 6 * l + 5;
@@ -460,7 +523,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
             if (lane == 0) res[h0 + j] = (bf16)rne(round_bf16(a) + bf(ldg_bf16(res + h0 + j)));
         }
         base += n_dn;
-        MARK(blockIdx.x, e + 11);
+        MARK_ALL(e + 11);
         grid_wait(counter, ++barrier);
     }
     // the final norm, LM head rows
@@ -469,7 +532,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
     norm_into(resid, final_norm, eps, vec, red);
     load_x<H / 256>(vec, xr);
     dot_rows<H / 256>(ring, base, v0, v1, ROWS_H, xr, [&](int r, float a) { logits[r] = round_bf16(a); });
-    MARK(blockIdx.x, EVENTS_PER_LAYER * n_layers + 1);
+    MARK_ALL(EVENTS_PER_LAYER * n_layers + 1);
     // the last block out resets the counters for the next step (every block is past every barrier by then)
     consumers_sync();
     if (tid == 0 && atomicAdd(&counter[1], 1u) == gridDim.x - 1) { counter[0] = 0; counter[1] = 0; }
@@ -478,14 +541,15 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
 
 
 def source(hidden: int, q_size: int, kv_size: int, intermediate: int, timeline: bool = False, hold: int = 0,
-           no_weights: bool = False) -> str:
+           no_weights: bool = False, prefetch: int = 0) -> str:
     """The kernel's CUDA source for these shapes; with `timeline`, it stamps each phase's end. `hold` (probing
     only): the producer issues o_proj's weights only once the consumers are past the attention (1), or each
     phase's only once they are in it (2), instead of running ahead. `no_weights` (probing only): no weight is
-    read or multiplied; the norms, attention, merge and grid-wide waits run as they are."""
+    read or multiplied; the norms, attention, merge and grid-wide waits run as they are. `prefetch`: ring stages
+    asked into L2 this many stages ahead of their copy into shared memory (slower on the H200: RESULTS.md)."""
     defines = {"H": hidden, "QD": q_size, "KVD": kv_size, "I": intermediate, "HEAD_DIM": HEAD_DIM, "WARPS": WARPS,
                "STAGES": STAGES, "SLOT_BYTES": SLOT_BYTES, "MAX_CHUNKS": MAX_CHUNKS, "TIMELINE": int(timeline), "HOLD": hold,
-               "NO_WEIGHTS": int(no_weights)}
+               "NO_WEIGHTS": int(no_weights), "PREFETCH": prefetch}
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + STREAM_HELPERS % () + BODY
 
 
@@ -502,7 +566,8 @@ def supports(config, weight_dtype: torch.dtype, cache_dtype: torch.dtype) -> str
            (h % 256 or q % 256 or i % 256, "hidden, q and intermediate sizes must be multiples of 256"),
            (2 * h * 2 > SLOT_BYTES or i * 2 > SLOT_BYTES or q * 2 > SLOT_BYTES, "rows too long for a ring stage"),
            (SLOT_BYTES // (h * 2) > 3 or SLOT_BYTES // (q * 2) > 3, "rows too short (at most 3 a stage)"),
-           ((q // HEAD_DIM) % (kv // HEAD_DIM) or (q // kv) * HEAD_DIM * 4 * WARPS > i * 2, "GQA group too large"),
+           ((q // HEAD_DIM) % (kv // HEAD_DIM) or (q // kv) * HEAD_DIM * 4 * WARPS + WARPS * HEAD_DIM * 2 > i * 2,
+            "GQA group too large"),
            (shared_bytes(i) > 227 * 1024, "shared memory")]
     return next((reason for bad, reason in why if bad), None)
 
@@ -525,7 +590,7 @@ class DecodeStepKernel:
     so the call can be captured in a CUDA graph once and replayed)."""
 
     def __init__(self, model, k_cache: torch.Tensor, v_cache: torch.Tensor, n_layers: int | None = None,
-                 timeline: bool = False, hold: int = 0, no_weights: bool = False):
+                 timeline: bool = False, hold: int = 0, no_weights: bool = False, prefetch: int = 0):
         cfg = model.config
         why = supports(cfg, model.lm_head.weight.dtype, k_cache.dtype)
         if why:
@@ -558,7 +623,8 @@ class DecodeStepKernel:
             part_ml=torch.empty(cfg.num_attention_heads * MAX_CHUNKS * 2, dtype=torch.float32, device=dev),
             counter=torch.zeros(2, dtype=torch.int32, device=dev))
         self.shared = shared_bytes(cfg.intermediate_size)
-        code = source(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, timeline, hold, no_weights)
+        code = source(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, timeline, hold, no_weights,
+                      prefetch)
         self.kernel = torch.cuda._compile_kernel(code, "decode_step",
                                                  compute_capability="%d%d" % torch.cuda.get_device_capability(dev))
         self.kernel.set_shared_memory_config(self.shared)

@@ -5,7 +5,8 @@ Checked: after a real prefill, one decode step through the engine's graph and th
 inputs: the logits (relative error, argmax) and the key and value each wrote into the cache for every layer.
 Also the kernel cut to its first layer against the engine's own layers run eagerly, cut alike (where a wrong
 result would show first). Phases: the kernel's timeline (each block's stamps at each phase's end) at each
-context, with the producer held back if asked (--holds) and with no weights read at all (--no-weights). Timed:
+context, with the producer held back if asked (--holds), with the ring's stages asked into L2 ahead (--prefetches)
+and with no weights read at all (--no-weights). Timed:
 the engine's graph and the kernel's as CUDA graphs at several contexts (nothing stored, as
 probe_decode_parts.py's step), interleaved over rounds.
 
@@ -91,13 +92,13 @@ def timed(engine, kernels: dict, contexts, rounds: int) -> dict:
     return out
 
 
-def phases(engine, contexts, hold: int = 0, no_weights: bool = False) -> dict:
+def phases(engine, contexts, hold: int = 0, no_weights: bool = False, prefetch: int = 0) -> dict:
     """Where the kernel's time goes: its timeline (each block's stamps at each phase's end), per phase the median
     over layers of the median and the slowest block's duration, in us; and when each block's producer issued
     its last copy of each weight, relative to the consumers' end of that weight's phase."""
     runner = engine.runner
     kernel = DecodeStepKernel(engine.model, runner.pool.k, runner.pool.v, timeline=True, hold=hold,
-                              no_weights=no_weights)
+                              no_weights=no_weights, prefetch=prefetch)
     out = {}
     for context in contexts:
         decode_forward(engine, context)
@@ -122,7 +123,8 @@ def phases(engine, contexts, hold: int = 0, no_weights: bool = False) -> dict:
         for i, name in ((1, "qkv"), (7, "o_proj"), (9, "gate_up"), (11, "down")):
             row[f"producer_{name}_lead"] = (pstamps[:, :, i] - stamps[:, :, i]).median().item()
         out[context] = row
-        print("phases", context, "hold", hold, "no_weights" if no_weights else "", json.dumps(row), flush=True)
+        print("phases", context, f"hold {hold} prefetch {prefetch}", "no_weights" if no_weights else "",
+              json.dumps(row), flush=True)
     return out
 
 
@@ -135,6 +137,7 @@ def main(argv=None):
     parser.add_argument("--no-weights", action="store_true", help="also the phases with no weight read (timing only)")
     parser.add_argument("--no-timed", action="store_true")
     parser.add_argument("--holds", default="0", help="the kernel's producer holds (see decode_step.source), e.g. 0,1,2")
+    parser.add_argument("--prefetches", default="0", help="ring stages asked into L2 ahead (decode_step.source), e.g. 0,8")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     enable_pdl(dev)
@@ -148,13 +151,18 @@ def main(argv=None):
             out["check"] = [check(engine, kernel, kernel_one, n) for n in (500, 4000)]
             print("check", json.dumps(out["check"]), flush=True)
         contexts, holds = [int(c) for c in args.contexts.split(",")], [int(h) for h in args.holds.split(",")]
+        prefetches = [int(p) for p in args.prefetches.split(",")]
         out["phases"] = {hold: phases(engine, contexts, hold) for hold in holds}
+        out["phases_prefetch"] = {p: phases(engine, contexts, prefetch=p) for p in prefetches if p}
         if args.no_weights:
             out["phases_no_weights"] = phases(engine, contexts, no_weights=True)
         if args.no_timed:
             return finish(out, args.out)
+        pool = engine.runner.pool
         kernels = {f"kernel_hold{h}" if h else "kernel": kernel if h == 0 else
-                   DecodeStepKernel(engine.model, engine.runner.pool.k, engine.runner.pool.v, hold=h) for h in holds}
+                   DecodeStepKernel(engine.model, pool.k, pool.v, hold=h) for h in holds}
+        kernels.update({f"kernel_prefetch{p}": DecodeStepKernel(engine.model, pool.k, pool.v, prefetch=p)
+                        for p in prefetches if p})
         out["step"] = timed(engine, kernels, contexts, args.rounds)
     finish(out, args.out)
 
