@@ -9,9 +9,7 @@ eighth session). Here one block per multiprocessor runs the whole step:
 
 - a producer warp streams the block's share of every weight the step reads (per layer qkv, o_proj, gate_up,
   down; then the LM head), in order, into a ring of shared-memory stages (bulk copies completing on mbarriers),
-  never waiting for anything but a free stage. Most of a phase's rows are split evenly over the blocks; the rest
-  are claimed at run time, by the producers whose multiprocessors stream fastest, and a tag beside each stage
-  tells the consumers which rows it holds (and when their phase is over);
+  never waiting for anything but a free stage;
 - eight consumer warps run the step's phases, with a grid-wide arrival count where a phase needs all of the
   one before: the input norm and qkv rows | QK-norm, RoPE, the KV store and attention over chunks of the
   context | the merge of the chunks | o_proj rows and the residual add | the norm and gate_up rows with
@@ -37,10 +35,9 @@ from probe_nvrtc import STREAM_HELPERS, launch
 
 WARPS, STAGES, SLOT_BYTES = 8, 8, 24576
 MAX_CHUNKS = 64  # attention partials per head; a chunk is a multiple of 32 tokens
-DYNAMIC = 20  # percent of each weight phase's items claimed at run time (see source)
 HEAD_DIM = 128
 BARRIERS_PER_LAYER = 6
-# The timeline's stamps in a layer: a layer's start, then each phase's end (its last warp's) and each wait's release
+# The timeline's stamps in a layer (consumers: the end of each; the producer: after issuing a weight's last copy)
 EVENTS = ("qkv_start", "qkv", "wait1", "attention", "wait2", "merge", "wait3", "o_proj", "wait4", "gate_up", "wait5",
           "down")
 EVENTS_PER_LAYER = len(EVENTS)
@@ -59,19 +56,6 @@ typedef unsigned short bf16;
 
 struct Layer { const bf16 *in_norm, *qkv, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down; };
 
-// TIMELINE: thread 0 of each block stamps the global timer at each phase's end and each wait's release
-#define EVENTS_PER_LAYER 12
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
-#define MARK(row, e) do { if (TIMELINE && timeline) timeline[(size_t)(row) * (EVENTS_PER_LAYER * n_layers + 2) + (e)] = now_ns(); } while (0)
-// a phase's end: when the block's last consumer warp is done with it
-#define MARK_ALL(e) do { if (TIMELINE && timeline) { consumers_sync(); MARK(blockIdx.x, e); } } while (0)
-
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory"); }
-
 // Waits that do not spin: the thread sleeps in try_wait until the phase completes (the hint, in ns, bounds each
 // sleep), leaving the issue slots of its scheduler to the warps that compute. A spinning producer shares a
 // scheduler with consumer warps 0 and 4.
@@ -83,11 +67,10 @@ __device__ __forceinline__ void mbar_sleep_wait(unsigned bar, unsigned parity) {
     } while (!ok);
 }
 
-struct Ring {  // a block's ring: stage s is filled through full[s], handed back through empty[s]; tags[s] names
-    unsigned char* stages;  // the stage's weight rows (an item index), or -1: the phase has no more for its warp
+struct Ring {  // a block's ring: stage s is filled through full[s], handed back through empty[s]
+    unsigned char* stages;
     unsigned long long* full;
     unsigned long long* empty;
-    volatile int* tags;
     __device__ const bf16* wait_item(unsigned it) const {
         unsigned s = it % STAGES;
         mbar_sleep_wait(smem_addr(&full[s]), (it / STAGES) & 1);
@@ -97,39 +80,33 @@ struct Ring {  // a block's ring: stage s is filled through full[s], handed back
         __syncwarp();
         if ((threadIdx.x & 31) == 0) mbar_arrive(smem_addr(&empty[it % STAGES]));
     }
-    __device__ unsigned free_stage(unsigned it) const {  // the producer: wait until stage it % STAGES is handed back
+    __device__ void produce(unsigned it, const void* a, unsigned na, const void* b, unsigned nb) const {
         unsigned s = it % STAGES, round = it / STAGES;
         if (round > 0) mbar_sleep_wait(smem_addr(&empty[s]), (round - 1) & 1);
-        return s;
-    }
-    __device__ void produce(unsigned it, int tag, const void* a, unsigned na, const void* b, unsigned nb) const {
-        unsigned s = free_stage(it), bar = smem_addr(&full[s]);
-        tags[s] = tag;  // published by the arrive below (release), read after the consumer's wait (acquire)
+        unsigned bar = smem_addr(&full[s]);
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(na + nb) : "memory");
         bulk_load(stages + s * SLOT_BYTES, a, na, bar);
         if (nb) bulk_load(stages + s * SLOT_BYTES + na, b, nb, bar);
     }
-    __device__ void end_phase(unsigned it) const {  // tells the warp of stage it % STAGES that its phase is over
-        unsigned s = free_stage(it);
-        tags[s] = -1;
-        mbar_arrive(smem_addr(&full[s]));
-    }
 };
 
-// A phase's items as consumer warp `warp` sees them: its stages (it = warp, warp + WARPS, ...) until its phase end.
-// f(stage, item, it) must release the item once it has read the stage.
-template <class F>
-__device__ void consume(const Ring& ring, unsigned& next_it, F f) {
-    while (true) {
-        const unsigned it = next_it;
-        next_it += WARPS;
-        const bf16* st = ring.wait_item(it);
-        const int k = ring.tags[it % STAGES];
-        if (k < 0) { ring.release_item(it); return; }
-        f(st, k, it);
-    }
+// TIMELINE: thread 0 of each block (and the producer's lane 0) stamps the global timer at each phase's end
+#define EVENTS_PER_LAYER 12
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+#define MARK(row, e) do { if (TIMELINE && timeline) timeline[(size_t)(row) * (EVENTS_PER_LAYER * n_layers + 2) + (e)] = now_ns(); } while (0)
+// a phase's end: when the block's last consumer warp is done with it
+#define MARK_ALL(e) do { if (TIMELINE && timeline) { consumers_sync(); MARK(blockIdx.x, e); } } while (0)
+
+struct Pending { const bf16* a; const bf16* b; unsigned na, nb; };  // a ring stage's sources, not yet copied
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
 
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory"); }
 __device__ __forceinline__ float warp_max(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -139,6 +116,7 @@ __device__ __forceinline__ float bf(bf16 v) { return __uint_as_float(((unsigned)
 __device__ __forceinline__ bf16 ldg_bf16(const bf16* p) { return __ldcg((const unsigned short*)p); }
 __device__ __forceinline__ int rows_lo(int n) { return (int)((long long)blockIdx.x * n / gridDim.x); }
 __device__ __forceinline__ int rows_hi(int n) { return (int)((long long)(blockIdx.x + 1) * n / gridDim.x); }
+__device__ __forceinline__ int items(int rows, int per) { return (rows + per - 1) / per; }
 // a warp's rank for latency-bound tasks: warps 1, 2, 3, 5, 6, 7 first, then 0 and 4 (the producer's scheduler)
 __device__ __forceinline__ int task_rank(int warp) { return warp % 4 ? warp - 1 - warp / 4 : 6 + warp / 4; }
 
@@ -188,28 +166,29 @@ __device__ void norm_into(const bf16* src, const bf16* w, float eps, bf16* vec, 
     consumers_sync();  // vec is whole; red may be reused
 }
 
-// A phase of a K-column weight (K = KC x 256; item k: rows k*per .. of `rows`) against x held in registers (lane:
-// columns c*256 + lane*8..); out(row, float) for each row, by one lane.
+// Rows [r0, r1) of a K-column weight (K = KC x 256) against x held in registers (lane: columns c*256 + lane*8..),
+// ring items of `per` rows from item `base`; out(row, float) for each row, by one lane.
 template <int KC, class Out>
-__device__ void dot_rows(const Ring& ring, unsigned& next_it, int rows, int per, const uint4* xr, Out out) {
-    const int lane = threadIdx.x & 31;
-    consume(ring, next_it, [&](const bf16* st, int k, unsigned it) {
-        const int row0 = k * per, n = min(per, rows - row0);
+__device__ void dot_rows(const Ring& ring, unsigned base, int r0, int r1, int per, const uint4* xr, Out out) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n = NO_WEIGHTS ? 0 : items(r1 - r0, per);
+    for (int j = (warp - (int)(base % WARPS) + WARPS) % WARPS; j < n; j += WARPS) {
+        const bf16* st = ring.wait_item(base + j);
+        const int row0 = r0 + j * per, rows = min(per, r1 - row0);
         float acc[3] = {0.f, 0.f, 0.f};
         #pragma unroll
         for (int r = 0; r < 3; ++r) {
-            if (r < n) {
+            if (r < rows) {
                 #pragma unroll
                 for (int c = 0; c < KC; ++c) acc[r] += dot8(*(const uint4*)(st + r * KC * 256 + c * 256 + lane * 8), xr[c]);
             }
         }
-        ring.release_item(it);
+        ring.release_item(base + j);
         #pragma unroll
         for (int r = 0; r < 3; ++r) {
             float a = warp_sum(acc[r]);
-            if (r < n && lane == r) out(row0 + r, a);
+            if (r < rows && lane == r) out(row0 + r, a);
         }
-    });
+    }
 }
 
 template <int KC>
@@ -385,15 +364,17 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
             int vocab, const float* cos_t, const float* sin_t, bf16* k_cache, bf16* v_cache, long long layer_stride,
             long long slot_stride, int page, const int* table, const int* ctx_len, const long long* pos_p,
             const long long* slot_p, const long long* id_p, float* logits, bf16* res, bf16* qkv_out, bf16* attn_out,
-            bf16* act, float* part_acc, float* part_ml, unsigned* counter, unsigned* claims, float eps,
+            bf16* act, float* part_acc, float* part_ml, unsigned* counter, float eps,
             unsigned long long* timeline) {
     extern __shared__ __align__(128) unsigned char smem[];
     bf16* vec = (bf16*)(smem + STAGES * SLOT_BYTES);  // a normed input, the activation, or the warps' queries
     unsigned long long* bars = (unsigned long long*)(smem + STAGES * SLOT_BYTES + VEC_BYTES);
     float* red = (float*)(bars + 2 * STAGES);
-    const Ring ring{smem, bars, bars + STAGES, (volatile int*)(red + WARPS)};
+    volatile int* entered = (volatile int*)(red + WARPS);  // the phase the consumers are in (see HOLD)
+    const Ring ring{smem, bars, bars + STAGES};
     const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
     if (tid == 0) {
+        *entered = 0;
         for (int s = 0; s < STAGES; ++s) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&ring.full[s])));
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&ring.empty[s])));
@@ -401,36 +382,50 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+    const int q0 = rows_lo(QKV), q1 = rows_hi(QKV), h0 = rows_lo(H), h1 = rows_hi(H);
+    const int i0 = rows_lo(I), i1 = rows_hi(I), v0 = rows_lo(vocab), v1 = rows_hi(vocab);
 
     if (warp == WARPS) {  // the producer: weights depend on nothing, so it runs ahead through the whole step
-        if (lane == 0) {
-            // A phase's items: the first (100 - DYNAMIC) % split evenly over the blocks, the rest claimed one by one
-            // from a counter by whichever producers get there first (those whose multiprocessors stream fastest).
-            // Then a phase end for each consumer warp.
+        if (lane == 0 && !NO_WEIGHTS) {
+            // With PREFETCH, each stage's rows are first asked into L2 (a bulk prefetch) PREFETCH stages ahead of
+            // their copy into the ring, so that DRAM keeps streaming while the ring is full (a phase that reads no
+            // weights, a grid-wide wait).
+            Pending queue[PREFETCH + 1];
+            int head = 0, count = 0;
             unsigned it = 0;
-            int phase_id = 0;
-            auto phase = [&](int rows, int per, const bf16* a, const bf16* b, int k_elems) {
-                const int n = (rows + per - 1) / per, fixed = n - n * DYNAMIC / 100;
-                auto one = [&](int k) {
-                    const int r = k * per;
-                    const unsigned bytes = min(per, rows - r) * k_elems * 2;
-                    ring.produce(it++, k, a + (size_t)r * k_elems, bytes, b ? b + (size_t)r * k_elems : nullptr, b ? bytes : 0);
-                };
-                if (!NO_WEIGHTS) {
-                    for (int k = rows_lo(fixed); k < rows_hi(fixed); ++k) one(k);
-                    for (int k; fixed < n && (k = fixed + (int)atomicAdd(&claims[phase_id], 1u)) < n;) one(k);
+            auto emit = [&](const bf16* a, unsigned na, const bf16* b, unsigned nb) {
+                if (PREFETCH == 0) { ring.produce(it++, a, na, b, nb); return; }
+                prefetch_l2(a, na);
+                if (nb) prefetch_l2(b, nb);
+                queue[(head + count) % (PREFETCH + 1)] = Pending{a, b, na, nb};
+                if (++count > PREFETCH) {
+                    const Pending q = queue[head];
+                    head = (head + 1) % (PREFETCH + 1);
+                    --count;
+                    ring.produce(it++, q.a, q.na, q.b, q.nb);
                 }
-                for (int w = 0; w < WARPS; ++w) ring.end_phase(it++);
-                ++phase_id;
             };
             for (int l = 0; l < n_layers; ++l) {
                 const Layer w = layers[l];
-                phase(QKV, ROWS_H, w.qkv, nullptr, H);
-                phase(H, ROWS_Q, w.o, nullptr, QD);
-                phase(I, 1, w.gate_up, w.gate_up + (size_t)I * H, H);  // gate row i, then up row i
-                phase(H, 1, w.down, nullptr, I);
+                const int row = gridDim.x + blockIdx.x, e = l * EVENTS_PER_LAYER;
+                if (HOLD >= 2) while (*entered < 6 * l) __nanosleep(64);
+                for (int r = q0; r < q1; r += ROWS_H) emit(w.qkv + (size_t)r * H, min(ROWS_H, q1 - r) * H * 2, 0, 0);
+                MARK(row, e + 1);
+                if (HOLD >= 1) while (*entered < 6 * l + 3) __nanosleep(64);
+                for (int r = h0; r < h1; r += ROWS_Q) emit(w.o + (size_t)r * QD, min(ROWS_Q, h1 - r) * QD * 2, 0, 0);
+                MARK(row, e + 7);
+                if (HOLD >= 2) while (*entered < 6 * l + 4) __nanosleep(64);
+                for (int r = i0; r < i1; ++r) emit(w.gate_up + (size_t)r * H, H * 2, w.gate_up + (size_t)(I + r) * H, H * 2);
+                MARK(row, e + 9);
+                if (HOLD >= 2) while (*entered < 6 * l + 5) __nanosleep(64);
+                for (int r = h0; r < h1; ++r) emit(w.down + (size_t)r * I, I * 2, 0, 0);
+                MARK(row, e + 11);
             }
-            phase(vocab, ROWS_H, lm_head, nullptr, H);
+            if (HOLD >= 2) while (*entered < 6 * n_layers) __nanosleep(64);
+            for (int r = v0; r < v1; r += ROWS_H) emit(lm_head + (size_t)r * H, min(ROWS_H, v1 - r) * H * 2, 0, 0);
+            for (; count > 0; --count, head = (head + 1) % (PREFETCH + 1))
+                ring.produce(it++, queue[head].a, queue[head].na, queue[head].b, queue[head].nb);
+            MARK(gridDim.x + blockIdx.x, EVENTS_PER_LAYER * n_layers + 1);
         }
         return;
     }
@@ -440,8 +435,10 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
     const float* cos_row = cos_t + pos * (HEAD_DIM / 2);
     const float* sin_row = sin_t + pos * (HEAD_DIM / 2);
     const int chunk = 32 * ((ctx + 32 * MAX_CHUNKS - 1) / (32 * MAX_CHUNKS)), n_chunks = (ctx + chunk - 1) / chunk;
+    const int n_qkv = items(q1 - q0, ROWS_H), n_o = items(h1 - h0, ROWS_Q), n_gu = NO_WEIGHTS ? 0 : i1 - i0;
+    const int n_dn = NO_WEIGHTS ? 0 : h1 - h0;
     uint4 xr[H / 256];
-    unsigned next_it = warp, barrier = 0;  // this warp's next ring item
+    unsigned base = 0, barrier = 0;
     const bf16* resid = embed + *id_p * H;  // the residual stream: the token's embedding, then res
     for (int l = 0; l < n_layers; ++l) {
         const Layer w = layers[l];
@@ -449,10 +446,12 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         bf16* vc = v_cache + l * layer_stride;
         const int e = l * EVENTS_PER_LAYER;
         MARK(blockIdx.x, e);
+        if (tid == 0) *entered = 6 * l;
         // input norm, qkv rows
         norm_into(resid, w.in_norm, eps, vec, red);
         load_x<H / 256>(vec, xr);
-        dot_rows<H / 256>(ring, next_it, QKV, ROWS_H, xr, [&](int r, float a) { qkv_out[r] = (bf16)rne(a); });
+        dot_rows<H / 256>(ring, base, q0, q1, ROWS_H, xr, [&](int r, float a) { qkv_out[r] = (bf16)rne(a); });
+        base += n_qkv;
         MARK_ALL(e + 1);
         grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 2);
@@ -473,82 +472,89 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         MARK_ALL(e + 5);
         grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 6);
+        if (tid == 0) *entered = 6 * l + 3;
         // o_proj rows, the residual add
         {
             uint4 xo[QD / 256];
             #pragma unroll
             for (int c = 0; c < QD / 256; ++c) xo[c] = __ldcg((const uint4*)(attn_out + c * 256 + lane * 8));
             const bf16* old = resid;
-            dot_rows<QD / 256>(ring, next_it, H, ROWS_Q, xo, [&](int r, float a) {
+            dot_rows<QD / 256>(ring, base, h0, h1, ROWS_Q, xo, [&](int r, float a) {
                 res[r] = (bf16)rne(round_bf16(a) + bf(ldg_bf16(old + r)));
             });
+            base += n_o;
         }
         resid = res;
         MARK_ALL(e + 7);
         grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 8);
+        if (tid == 0) *entered = 6 * l + 4;
         // post-attention norm, gate_up rows with SiLU * up
         norm_into(res, w.post_norm, eps, vec, red);
         load_x<H / 256>(vec, xr);
-        consume(ring, next_it, [&](const bf16* st, int i, unsigned it) {
+        for (int j = (warp - (int)(base % WARPS) + WARPS) % WARPS; j < n_gu; j += WARPS) {
+            const bf16* st = ring.wait_item(base + j);
             float g = 0.f, u = 0.f;
             #pragma unroll
             for (int c = 0; c < H / 256; ++c) {
                 g += dot8(*(const uint4*)(st + c * 256 + lane * 8), xr[c]);
                 u += dot8(*(const uint4*)(st + H + c * 256 + lane * 8), xr[c]);
             }
-            ring.release_item(it);
+            ring.release_item(base + j);
             g = round_bf16(warp_sum(g));
             u = round_bf16(warp_sum(u));
-            if (lane == 0) act[i] = (bf16)rne(round_bf16(g / (1.f + __expf(-g))) * u);
-        });
+            if (lane == 0) act[i0 + j] = (bf16)rne(round_bf16(g / (1.f + __expf(-g))) * u);
+        }
+        base += n_gu;
         MARK_ALL(e + 9);
         grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 10);
+        if (tid == 0) *entered = 6 * l + 5;
         // down rows (the activation from shared memory), the residual add
         for (int c = tid; c < I / 8; c += CONSUMERS) ((uint4*)vec)[c] = __ldcg((const uint4*)act + c);
         consumers_sync();
-        consume(ring, next_it, [&](const bf16* st, int r, unsigned it) {
+        for (int j = (warp - (int)(base % WARPS) + WARPS) % WARPS; j < n_dn; j += WARPS) {
+            const bf16* st = ring.wait_item(base + j);
             float a = 0.f;
             #pragma unroll 8
             for (int c = 0; c < I / 256; ++c) a += dot8(*(const uint4*)(st + c * 256 + lane * 8), *(const uint4*)(vec + c * 256 + lane * 8));
-            ring.release_item(it);
+            ring.release_item(base + j);
             a = warp_sum(a);
-            if (lane == 0) res[r] = (bf16)rne(round_bf16(a) + bf(ldg_bf16(res + r)));
-        });
+            if (lane == 0) res[h0 + j] = (bf16)rne(round_bf16(a) + bf(ldg_bf16(res + h0 + j)));
+        }
+        base += n_dn;
         MARK_ALL(e + 11);
         grid_wait(counter, ++barrier);
     }
     // the final norm, LM head rows
     MARK(blockIdx.x, EVENTS_PER_LAYER * n_layers);
+    if (tid == 0) *entered = 6 * n_layers;
     norm_into(resid, final_norm, eps, vec, red);
     load_x<H / 256>(vec, xr);
-    dot_rows<H / 256>(ring, next_it, vocab, ROWS_H, xr, [&](int r, float a) { logits[r] = round_bf16(a); });
+    dot_rows<H / 256>(ring, base, v0, v1, ROWS_H, xr, [&](int r, float a) { logits[r] = round_bf16(a); });
     MARK_ALL(EVENTS_PER_LAYER * n_layers + 1);
     // the last block out resets the counters for the next step (every block is past every barrier by then)
     consumers_sync();
-    if (tid == 0 && atomicAdd(&counter[1], 1u) == gridDim.x - 1) {
-        counter[0] = 0;
-        counter[1] = 0;
-        for (int p = 0; p <= 4 * n_layers; ++p) claims[p] = 0;
-    }
+    if (tid == 0 && atomicAdd(&counter[1], 1u) == gridDim.x - 1) { counter[0] = 0; counter[1] = 0; }
 }
 """
 
 
-def source(hidden: int, q_size: int, kv_size: int, intermediate: int, timeline: bool = False,
-           no_weights: bool = False, dynamic: int = DYNAMIC) -> str:
-    """The kernel's CUDA source for these shapes; with `timeline`, it stamps each phase's end. `no_weights` (probing
-    only): no weight is read or multiplied; the norms, attention, merge and grid-wide waits run as they are.
-    `dynamic`: the percentage of each weight phase's items claimed at run time rather than split evenly."""
+def source(hidden: int, q_size: int, kv_size: int, intermediate: int, timeline: bool = False, hold: int = 0,
+           no_weights: bool = False, prefetch: int = 0) -> str:
+    """The kernel's CUDA source for these shapes; with `timeline`, it stamps each phase's end. `hold` (probing
+    only): the producer issues o_proj's weights only once the consumers are past the attention (1), or each
+    phase's only once they are in it (2), instead of running ahead. `no_weights` (probing only): no weight is
+    read or multiplied; the norms, attention, merge and grid-wide waits run as they are. `prefetch`: ring stages
+    asked into L2 this many stages ahead of their copy into shared memory (slower on the H200: RESULTS.md)."""
     defines = {"H": hidden, "QD": q_size, "KVD": kv_size, "I": intermediate, "HEAD_DIM": HEAD_DIM, "WARPS": WARPS,
-               "STAGES": STAGES, "SLOT_BYTES": SLOT_BYTES, "MAX_CHUNKS": MAX_CHUNKS, "TIMELINE": int(timeline),
-               "NO_WEIGHTS": int(no_weights), "DYNAMIC": dynamic}
+               "STAGES": STAGES, "SLOT_BYTES": SLOT_BYTES, "MAX_CHUNKS": MAX_CHUNKS, "TIMELINE": int(timeline), "HOLD": hold,
+               "NO_WEIGHTS": int(no_weights), "PREFETCH": prefetch}
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + STREAM_HELPERS % () + BODY
 
 
-def shared_bytes(intermediate: int) -> int:  # the ring, vec, the stages' barriers, red, the stages' tags
-    return STAGES * SLOT_BYTES + intermediate * 2 + 2 * STAGES * 8 + WARPS * 4 + STAGES * 4
+def shared_bytes(intermediate: int) -> int:
+    return STAGES * SLOT_BYTES + intermediate * 2 + 2 * STAGES * 8 + WARPS * 4 + 4
 
 
 def supports(config, weight_dtype: torch.dtype, cache_dtype: torch.dtype) -> str | None:
@@ -575,8 +581,7 @@ class Scratch:
     act: torch.Tensor
     part_acc: torch.Tensor
     part_ml: torch.Tensor
-    counter: torch.Tensor  # the grid-wide waits' arrivals, and the blocks done
-    claims: torch.Tensor  # items claimed in each weight phase
+    counter: torch.Tensor
 
 
 class DecodeStepKernel:
@@ -585,7 +590,7 @@ class DecodeStepKernel:
     so the call can be captured in a CUDA graph once and replayed)."""
 
     def __init__(self, model, k_cache: torch.Tensor, v_cache: torch.Tensor, n_layers: int | None = None,
-                 timeline: bool = False, no_weights: bool = False, dynamic: int = DYNAMIC):
+                 timeline: bool = False, hold: int = 0, no_weights: bool = False, prefetch: int = 0):
         cfg = model.config
         why = supports(cfg, model.lm_head.weight.dtype, k_cache.dtype)
         if why:
@@ -616,16 +621,16 @@ class DecodeStepKernel:
             act=torch.empty(cfg.intermediate_size, dtype=torch.bfloat16, device=dev),
             part_acc=torch.empty(cfg.num_attention_heads * MAX_CHUNKS * HEAD_DIM, dtype=torch.float32, device=dev),
             part_ml=torch.empty(cfg.num_attention_heads * MAX_CHUNKS * 2, dtype=torch.float32, device=dev),
-            counter=torch.zeros(2, dtype=torch.int32, device=dev),
-            claims=torch.zeros(4 * self.n_layers + 1, dtype=torch.int32, device=dev))
+            counter=torch.zeros(2, dtype=torch.int32, device=dev))
         self.shared = shared_bytes(cfg.intermediate_size)
-        code = source(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, timeline, no_weights, dynamic)
+        code = source(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, timeline, hold, no_weights,
+                      prefetch)
         self.kernel = torch.cuda._compile_kernel(code, "decode_step",
                                                  compute_capability="%d%d" % torch.cuda.get_device_capability(dev))
         self.kernel.set_shared_memory_config(self.shared)
         self.grid = torch.cuda.get_device_properties(dev).multi_processor_count
-        # with `timeline`: [blocks] x [12 a layer + 2] ns stamps
-        self.timeline = torch.zeros(self.grid, EVENTS_PER_LAYER * self.n_layers + 2, dtype=torch.int64,
+        # with `timeline`: [consumers of each block, then the producer of each block] x [12 a layer + 2] ns stamps
+        self.timeline = torch.zeros(2 * self.grid, EVENTS_PER_LAYER * self.n_layers + 2, dtype=torch.int64,
                                     device=dev) if timeline else None
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
@@ -638,7 +643,7 @@ class DecodeStepKernel:
                 self.cfg.vocab_size, self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache,
                 ctypes.c_longlong(self.k_cache.stride(0)), ctypes.c_longlong(self.k_cache.stride(2)), self.page,
                 block_tables, context_lens, positions, slots, ids, logits, s.res, s.qkv, s.attn, s.act, s.part_acc,
-                s.part_ml, s.counter, s.claims, float(self.cfg.rms_norm_eps),
+                s.part_ml, s.counter, float(self.cfg.rms_norm_eps),
                 self.timeline if self.timeline is not None else ctypes.c_void_p(0)]
         launch(self.kernel, self.grid, (WARPS + 1) * 32, args, pdl=False, shared=self.shared)
         return logits

@@ -5,8 +5,8 @@ Checked: after a real prefill, one decode step through the engine's graph and th
 inputs: the logits (relative error, argmax) and the key and value each wrote into the cache for every layer.
 Also the kernel cut to its first layer against the engine's own layers run eagerly, cut alike (where a wrong
 result would show first). Phases: the kernel's timeline (each block's stamps at each phase's end) at each
-context, for each share of the rows claimed at run time (--dynamics), and with no weights read at all
-(--no-weights). Timed:
+context, with the producer held back if asked (--holds), with the ring's stages asked into L2 ahead (--prefetches)
+and with no weights read at all (--no-weights). Timed:
 the engine's graph and the kernel's as CUDA graphs at several contexts (nothing stored, as
 probe_decode_parts.py's step), interleaved over rounds.
 
@@ -25,7 +25,7 @@ import torch
 
 from bench_h200 import cuda_ms, make_engine, positive_int, prompt_ids, rel
 from llm_anatomy.engine.runner import SHORT_BLOCK_N, SHORT_CONTEXT, SHORT_SPLITS
-from decode_step_kernel import DYNAMIC, EVENTS, EVENTS_PER_LAYER, DecodeStepKernel
+from decode_step_kernel import EVENTS, EVENTS_PER_LAYER, DecodeStepKernel
 from llm_anatomy.kernels.pdl import enable_pdl
 from llm_anatomy.models.attention import AttentionBatch
 from probe_decode_parts import decode_forward
@@ -92,13 +92,13 @@ def timed(engine, kernels: dict, contexts, rounds: int) -> dict:
     return out
 
 
-def phases(engine, contexts, no_weights: bool = False, dynamic: int = DYNAMIC) -> dict:
-    """Where the kernel's time goes: its timeline (each block's stamps when its last warp ends a phase and when the
-    wait after it releases the block); per phase the median over layers of the median and of the slowest block's
-    duration, in us."""
+def phases(engine, contexts, hold: int = 0, no_weights: bool = False, prefetch: int = 0) -> dict:
+    """Where the kernel's time goes: its timeline (each block's stamps at each phase's end), per phase the median
+    over layers of the median and the slowest block's duration, in us; and when each block's producer issued
+    its last copy of each weight, relative to the consumers' end of that weight's phase."""
     runner = engine.runner
-    kernel = DecodeStepKernel(engine.model, runner.pool.k, runner.pool.v, timeline=True, no_weights=no_weights,
-                              dynamic=dynamic)
+    kernel = DecodeStepKernel(engine.model, runner.pool.k, runner.pool.v, timeline=True, hold=hold,
+                              no_weights=no_weights, prefetch=prefetch)
     out = {}
     for context in contexts:
         decode_forward(engine, context)
@@ -107,18 +107,24 @@ def phases(engine, contexts, no_weights: bool = False, dynamic: int = DYNAMIC) -
         torch.cuda.synchronize()
         t = kernel.timeline.double() / 1e3  # us
         g, layers = kernel.grid, kernel.n_layers
-        stamps = t[:, :EVENTS_PER_LAYER * layers].view(g, layers, EVENTS_PER_LAYER)
-        nxt = torch.cat([stamps[:, 1:, :1], t[:, -2:-1].view(g, 1, 1)], dim=1)  # the next layer's start
+        cons, prod = t[:g], t[g:]
+        stamps = cons[:, :EVENTS_PER_LAYER * layers].view(g, layers, EVENTS_PER_LAYER)
+        nxt = torch.cat([stamps[:, 1:, :1], cons[:, -2:-1].view(g, 1, 1)], dim=1)  # the next layer's start
         ends = torch.cat([stamps[:, :, 1:], nxt], dim=2)
         dur = ends - stamps  # [blocks, layers, phase]: phase i runs from stamp i to stamp i + 1
         names = EVENTS[1:] + ("wait6",)
-        row = {"step_us": (t[:, -1].max() - t[:, 0].min()).item(),
-               "lm_head_us": (t[:, -1] - t[:, -2]).median().item()}
+        row = {"step_us": (cons[:, -1].max() - cons[:, 0].min()).item(),
+               "lm_head_us": (cons[:, -1] - cons[:, -2]).median().item()}
         for i, name in enumerate(names):
             row[name] = {"median": dur[:, :, i].median(0).values.median().item(),
                          "slowest": dur[:, :, i].max(0).values.median().item()}
+        # the producer's last copy of a phase's weight, against the consumers' end of that phase (us; < 0: early)
+        pstamps = prod[:, :EVENTS_PER_LAYER * layers].view(g, layers, EVENTS_PER_LAYER)
+        for i, name in ((1, "qkv"), (7, "o_proj"), (9, "gate_up"), (11, "down")):
+            row[f"producer_{name}_lead"] = (pstamps[:, :, i] - stamps[:, :, i]).median().item()
         out[context] = row
-        print("phases", context, f"dynamic {dynamic}", "no_weights" if no_weights else "", json.dumps(row), flush=True)
+        print("phases", context, f"hold {hold} prefetch {prefetch}", "no_weights" if no_weights else "",
+              json.dumps(row), flush=True)
     return out
 
 
@@ -130,8 +136,8 @@ def main(argv=None):
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--no-weights", action="store_true", help="also the phases with no weight read (timing only)")
     parser.add_argument("--no-timed", action="store_true")
-    parser.add_argument("--dynamics", default=str(DYNAMIC),
-                        help="percentages of each weight phase claimed at run time (decode_step_kernel.source), e.g. 0,20")
+    parser.add_argument("--holds", default="0", help="the kernel's producer holds (see decode_step.source), e.g. 0,1,2")
+    parser.add_argument("--prefetches", default="0", help="ring stages asked into L2 ahead (decode_step.source), e.g. 0,8")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     enable_pdl(dev)
@@ -144,15 +150,19 @@ def main(argv=None):
         if not args.no_check:
             out["check"] = [check(engine, kernel, kernel_one, n) for n in (500, 4000)]
             print("check", json.dumps(out["check"]), flush=True)
-        contexts, dynamics = [int(c) for c in args.contexts.split(",")], [int(d) for d in args.dynamics.split(",")]
-        out["phases"] = {d: phases(engine, contexts, dynamic=d) for d in dynamics}
+        contexts, holds = [int(c) for c in args.contexts.split(",")], [int(h) for h in args.holds.split(",")]
+        prefetches = [int(p) for p in args.prefetches.split(",")]
+        out["phases"] = {hold: phases(engine, contexts, hold) for hold in holds}
+        out["phases_prefetch"] = {p: phases(engine, contexts, prefetch=p) for p in prefetches if p}
         if args.no_weights:
             out["phases_no_weights"] = phases(engine, contexts, no_weights=True)
         if args.no_timed:
             return finish(out, args.out)
         pool = engine.runner.pool
-        kernels = {f"kernel_dynamic{d}": kernel if d == DYNAMIC else DecodeStepKernel(engine.model, pool.k, pool.v,
-                                                                                       dynamic=d) for d in dynamics}
+        kernels = {f"kernel_hold{h}" if h else "kernel": kernel if h == 0 else
+                   DecodeStepKernel(engine.model, pool.k, pool.v, hold=h) for h in holds}
+        kernels.update({f"kernel_prefetch{p}": DecodeStepKernel(engine.model, pool.k, pool.v, prefetch=p)
+                        for p in prefetches if p})
         out["step"] = timed(engine, kernels, contexts, args.rounds)
     finish(out, args.out)
 
