@@ -453,24 +453,24 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         dot_rows<H / 256>(ring, base, q0, q1, ROWS_H, xr, [&](int r, float a) { qkv_out[r] = (bf16)rne(a); });
         base += n_qkv;
         MARK_ALL(e + 1);
-        grid_wait(counter, ++barrier);
+        if (!(SKIP & 1)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 2);
         // QK-norm, RoPE, KV store, attention: (KV head, chunk) tasks over every warp of the grid
         float* qs = (float*)vec + warp * GROUP * HEAD_DIM;
         bf16* knew = (bf16*)((float*)vec + WARPS * GROUP * HEAD_DIM) + warp * HEAD_DIM;
         // the latency-bound tasks go first to warps 1, 2, 3, 5, 6, 7 (warps 0 and 4 share a scheduler with the producer)
-        for (int t = blockIdx.x + gridDim.x * task_rank(warp); t < NKV * n_chunks; t += gridDim.x * WARPS) {
+        for (int t = (SKIP & 2) ? 1 << 30 : blockIdx.x + gridDim.x * task_rank(warp); t < NKV * n_chunks; t += gridDim.x * WARPS) {
             const int g = t / n_chunks, c = t % n_chunks;
             attend_chunk(qkv_out, w, eps, cos_row, sin_row, kc, vc, table, page, slot_stride, (int)pos, slot_new, g, c,
                          c * chunk, min(c * chunk + chunk, ctx), qs, knew, part_acc, part_ml);
         }
         MARK_ALL(e + 3);
-        grid_wait(counter, ++barrier);
+        if (!(SKIP & 2)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 4);
-        for (int t = blockIdx.x + gridDim.x * task_rank(warp); t < NQ * (HEAD_DIM / 32); t += gridDim.x * WARPS)
+        for (int t = (SKIP & 2) ? 1 << 30 : blockIdx.x + gridDim.x * task_rank(warp); t < NQ * (HEAD_DIM / 32); t += gridDim.x * WARPS)
             merge_head(part_acc, part_ml, n_chunks, t / (HEAD_DIM / 32), (t % (HEAD_DIM / 32)) * 32 + lane, attn_out);
         MARK_ALL(e + 5);
-        grid_wait(counter, ++barrier);
+        if (!(SKIP & 2)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 6);
         if (tid == 0) *entered = 6 * l + 3;
         // o_proj rows, the residual add
@@ -486,7 +486,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         }
         resid = res;
         MARK_ALL(e + 7);
-        grid_wait(counter, ++barrier);
+        if (!(SKIP & 1)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 8);
         if (tid == 0) *entered = 6 * l + 4;
         // post-attention norm, gate_up rows with SiLU * up
@@ -507,7 +507,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         }
         base += n_gu;
         MARK_ALL(e + 9);
-        grid_wait(counter, ++barrier);
+        if (!(SKIP & 1)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 10);
         if (tid == 0) *entered = 6 * l + 5;
         // down rows (the activation from shared memory), the residual add
@@ -524,7 +524,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         }
         base += n_dn;
         MARK_ALL(e + 11);
-        grid_wait(counter, ++barrier);
+        if (!(SKIP & 1)) grid_wait(counter, ++barrier);
     }
     // the final norm, LM head rows
     MARK(blockIdx.x, EVENTS_PER_LAYER * n_layers);
@@ -541,15 +541,17 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
 
 
 def source(hidden: int, q_size: int, kv_size: int, intermediate: int, timeline: bool = False, hold: int = 0,
-           no_weights: bool = False, prefetch: int = 0) -> str:
+           no_weights: bool = False, prefetch: int = 0, skip: int = 0) -> str:
     """The kernel's CUDA source for these shapes; with `timeline`, it stamps each phase's end. `hold` (probing
     only): the producer issues o_proj's weights only once the consumers are past the attention (1), or each
     phase's only once they are in it (2), instead of running ahead. `no_weights` (probing only): no weight is
     read or multiplied; the norms, attention, merge and grid-wide waits run as they are. `prefetch`: ring stages
-    asked into L2 this many stages ahead of their copy into shared memory (slower on the H200: RESULTS.md)."""
+    asked into L2 this many stages ahead of their copy into shared memory (slower on the H200: RESULTS.md).
+    `skip` (timing only, the results are wrong): 1 leaves out the four grid-wide waits after weight phases, 2 the
+    attention, the merge and their two waits."""
     defines = {"H": hidden, "QD": q_size, "KVD": kv_size, "I": intermediate, "HEAD_DIM": HEAD_DIM, "WARPS": WARPS,
                "STAGES": STAGES, "SLOT_BYTES": SLOT_BYTES, "MAX_CHUNKS": MAX_CHUNKS, "TIMELINE": int(timeline), "HOLD": hold,
-               "NO_WEIGHTS": int(no_weights), "PREFETCH": prefetch}
+               "NO_WEIGHTS": int(no_weights), "PREFETCH": prefetch, "SKIP": skip}
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + STREAM_HELPERS % () + BODY
 
 
@@ -590,7 +592,7 @@ class DecodeStepKernel:
     so the call can be captured in a CUDA graph once and replayed)."""
 
     def __init__(self, model, k_cache: torch.Tensor, v_cache: torch.Tensor, n_layers: int | None = None,
-                 timeline: bool = False, hold: int = 0, no_weights: bool = False, prefetch: int = 0):
+                 timeline: bool = False, hold: int = 0, no_weights: bool = False, prefetch: int = 0, skip: int = 0):
         cfg = model.config
         why = supports(cfg, model.lm_head.weight.dtype, k_cache.dtype)
         if why:
@@ -624,7 +626,7 @@ class DecodeStepKernel:
             counter=torch.zeros(2, dtype=torch.int32, device=dev))
         self.shared = shared_bytes(cfg.intermediate_size)
         code = source(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, timeline, hold, no_weights,
-                      prefetch)
+                      prefetch, skip)
         self.kernel = torch.cuda._compile_kernel(code, "decode_step",
                                                  compute_capability="%d%d" % torch.cuda.get_device_capability(dev))
         self.kernel.set_shared_memory_config(self.shared)

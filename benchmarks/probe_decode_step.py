@@ -6,7 +6,7 @@ inputs: the logits (relative error, argmax) and the key and value each wrote int
 Also the kernel cut to its first layer against the engine's own layers run eagerly, cut alike (where a wrong
 result would show first). Phases: the kernel's timeline (each block's stamps at each phase's end) at each
 context, with the producer held back if asked (--holds), with the ring's stages asked into L2 ahead (--prefetches)
-and with no weights read at all (--no-weights). Timed:
+and with no weights read at all (--no-weights). Timed (with --skips also the kernel without parts of it):
 the engine's graph and the kernel's as CUDA graphs at several contexts (nothing stored, as
 probe_decode_parts.py's step), interleaved over rounds.
 
@@ -138,6 +138,8 @@ def main(argv=None):
     parser.add_argument("--no-timed", action="store_true")
     parser.add_argument("--holds", default="0", help="the kernel's producer holds (see decode_step.source), e.g. 0,1,2")
     parser.add_argument("--prefetches", default="0", help="ring stages asked into L2 ahead (decode_step.source), e.g. 0,8")
+    parser.add_argument("--skips", default="", help="also time the kernel without parts (decode_step_kernel.source's "
+                        "skip, timing only), e.g. 1,2,3")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     enable_pdl(dev)
@@ -163,6 +165,8 @@ def main(argv=None):
                    DecodeStepKernel(engine.model, pool.k, pool.v, hold=h) for h in holds}
         kernels.update({f"kernel_prefetch{p}": DecodeStepKernel(engine.model, pool.k, pool.v, prefetch=p)
                         for p in prefetches if p})
+        kernels.update({f"kernel_skip{k}": DecodeStepKernel(engine.model, pool.k, pool.v, skip=int(k))
+                        for k in args.skips.split(",") if k})
         out["step"] = timed(engine, kernels, contexts, args.rounds)
     finish(out, args.out)
 
