@@ -117,6 +117,22 @@ __device__ __forceinline__ bf16 ldg_bf16(const bf16* p) { return __ldcg((const u
 __device__ __forceinline__ int rows_lo(int n) { return (int)((long long)blockIdx.x * n / gridDim.x); }
 __device__ __forceinline__ int rows_hi(int n) { return (int)((long long)(blockIdx.x + 1) * n / gridDim.x); }
 __device__ __forceinline__ int items(int rows, int per) { return (rows + per - 1) / per; }
+// A block's items of a phase (item k: rows k*per ..): a contiguous share, or with INTERLEAVE every gridDim.x-th item
+struct Split {
+    int first, count, step;
+    __device__ Split(int rows, int per) {
+        const int n = items(rows, per);
+        if (INTERLEAVE) {
+            first = blockIdx.x, step = gridDim.x;
+            count = first < n ? (n - first + step - 1) / step : 0;
+        } else {
+            first = rows_lo(n), step = 1;
+            count = rows_hi(n) - first;
+        }
+        if (NO_WEIGHTS) count = 0;
+    }
+    __device__ int item(int j) const { return first + j * step; }
+};
 // a warp's rank for latency-bound tasks: warps 1, 2, 3, 5, 6, 7 first, then 0 and 4 (the producer's scheduler)
 __device__ __forceinline__ int task_rank(int warp) { return warp % 4 ? warp - 1 - warp / 4 : 6 + warp / 4; }
 
@@ -166,14 +182,15 @@ __device__ void norm_into(const bf16* src, const bf16* w, float eps, bf16* vec, 
     consumers_sync();  // vec is whole; red may be reused
 }
 
-// Rows [r0, r1) of a K-column weight (K = KC x 256) against x held in registers (lane: columns c*256 + lane*8..),
-// ring items of `per` rows from item `base`; out(row, float) for each row, by one lane.
+// The block's items of a K-column weight of `total` rows (K = KC x 256) against x held in registers (lane: columns
+// c*256 + lane*8..), ring items from `base`; out(row, float) for each row, by one lane.
 template <int KC, class Out>
-__device__ void dot_rows(const Ring& ring, unsigned base, int r0, int r1, int per, const uint4* xr, Out out) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n = NO_WEIGHTS ? 0 : items(r1 - r0, per);
-    for (int j = (warp - (int)(base % WARPS) + WARPS) % WARPS; j < n; j += WARPS) {
+__device__ void dot_rows(const Ring& ring, unsigned base, int total, int per, const uint4* xr, Out out) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const Split sp(total, per);
+    for (int j = (warp - (int)(base % WARPS) + WARPS) % WARPS; j < sp.count; j += WARPS) {
         const bf16* st = ring.wait_item(base + j);
-        const int row0 = r0 + j * per, rows = min(per, r1 - row0);
+        const int row0 = sp.item(j) * per, rows = min(per, total - row0);
         float acc[3] = {0.f, 0.f, 0.f};
         #pragma unroll
         for (int r = 0; r < 3; ++r) {
@@ -382,8 +399,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    const int q0 = rows_lo(QKV), q1 = rows_hi(QKV), h0 = rows_lo(H), h1 = rows_hi(H);
-    const int i0 = rows_lo(I), i1 = rows_hi(I), v0 = rows_lo(vocab), v1 = rows_hi(vocab);
+    const Split s_qkv(QKV, ROWS_H), s_o(H, ROWS_Q), s_gu(I, 1), s_dn(H, 1), s_lm(vocab, ROWS_H);
 
     if (warp == WARPS) {  // the producer: weights depend on nothing, so it runs ahead through the whole step
         if (lane == 0 && !NO_WEIGHTS) {
@@ -409,20 +425,32 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
                 const Layer w = layers[l];
                 const int row = gridDim.x + blockIdx.x, e = l * EVENTS_PER_LAYER;
                 if (HOLD >= 2) while (*entered < 6 * l) __nanosleep(64);
-                for (int r = q0; r < q1; r += ROWS_H) emit(w.qkv + (size_t)r * H, min(ROWS_H, q1 - r) * H * 2, 0, 0);
+                for (int j = 0; j < s_qkv.count; ++j) {
+                    const int r = s_qkv.item(j) * ROWS_H;
+                    emit(w.qkv + (size_t)r * H, min(ROWS_H, QKV - r) * H * 2, 0, 0);
+                }
                 MARK(row, e + 1);
                 if (HOLD >= 1) while (*entered < 6 * l + 3) __nanosleep(64);
-                for (int r = h0; r < h1; r += ROWS_Q) emit(w.o + (size_t)r * QD, min(ROWS_Q, h1 - r) * QD * 2, 0, 0);
+                for (int j = 0; j < s_o.count; ++j) {
+                    const int r = s_o.item(j) * ROWS_Q;
+                    emit(w.o + (size_t)r * QD, min(ROWS_Q, H - r) * QD * 2, 0, 0);
+                }
                 MARK(row, e + 7);
                 if (HOLD >= 2) while (*entered < 6 * l + 4) __nanosleep(64);
-                for (int r = i0; r < i1; ++r) emit(w.gate_up + (size_t)r * H, H * 2, w.gate_up + (size_t)(I + r) * H, H * 2);
+                for (int j = 0; j < s_gu.count; ++j) {
+                    const int r = s_gu.item(j);
+                    emit(w.gate_up + (size_t)r * H, H * 2, w.gate_up + (size_t)(I + r) * H, H * 2);
+                }
                 MARK(row, e + 9);
                 if (HOLD >= 2) while (*entered < 6 * l + 5) __nanosleep(64);
-                for (int r = h0; r < h1; ++r) emit(w.down + (size_t)r * I, I * 2, 0, 0);
+                for (int j = 0; j < s_dn.count; ++j) emit(w.down + (size_t)s_dn.item(j) * I, I * 2, 0, 0);
                 MARK(row, e + 11);
             }
             if (HOLD >= 2) while (*entered < 6 * n_layers) __nanosleep(64);
-            for (int r = v0; r < v1; r += ROWS_H) emit(lm_head + (size_t)r * H, min(ROWS_H, v1 - r) * H * 2, 0, 0);
+            for (int j = 0; j < s_lm.count; ++j) {
+                const int r = s_lm.item(j) * ROWS_H;
+                emit(lm_head + (size_t)r * H, min(ROWS_H, vocab - r) * H * 2, 0, 0);
+            }
             for (; count > 0; --count, head = (head + 1) % (PREFETCH + 1))
                 ring.produce(it++, queue[head].a, queue[head].na, queue[head].b, queue[head].nb);
             MARK(gridDim.x + blockIdx.x, EVENTS_PER_LAYER * n_layers + 1);
@@ -435,8 +463,6 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
     const float* cos_row = cos_t + pos * (HEAD_DIM / 2);
     const float* sin_row = sin_t + pos * (HEAD_DIM / 2);
     const int chunk = 32 * ((ctx + 32 * MAX_CHUNKS - 1) / (32 * MAX_CHUNKS)), n_chunks = (ctx + chunk - 1) / chunk;
-    const int n_qkv = items(q1 - q0, ROWS_H), n_o = items(h1 - h0, ROWS_Q), n_gu = NO_WEIGHTS ? 0 : i1 - i0;
-    const int n_dn = NO_WEIGHTS ? 0 : h1 - h0;
     uint4 xr[H / 256];
     unsigned base = 0, barrier = 0;
     const bf16* resid = embed + *id_p * H;  // the residual stream: the token's embedding, then res
@@ -450,8 +476,8 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         // input norm, qkv rows
         norm_into(resid, w.in_norm, eps, vec, red);
         load_x<H / 256>(vec, xr);
-        dot_rows<H / 256>(ring, base, q0, q1, ROWS_H, xr, [&](int r, float a) { qkv_out[r] = (bf16)rne(a); });
-        base += n_qkv;
+        dot_rows<H / 256>(ring, base, QKV, ROWS_H, xr, [&](int r, float a) { qkv_out[r] = (bf16)rne(a); });
+        base += s_qkv.count;
         MARK_ALL(e + 1);
         if (!(SKIP & 1)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 2);
@@ -479,10 +505,10 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
             #pragma unroll
             for (int c = 0; c < QD / 256; ++c) xo[c] = __ldcg((const uint4*)(attn_out + c * 256 + lane * 8));
             const bf16* old = resid;
-            dot_rows<QD / 256>(ring, base, h0, h1, ROWS_Q, xo, [&](int r, float a) {
+            dot_rows<QD / 256>(ring, base, H, ROWS_Q, xo, [&](int r, float a) {
                 res[r] = (bf16)rne(round_bf16(a) + bf(ldg_bf16(old + r)));
             });
-            base += n_o;
+            base += s_o.count;
         }
         resid = res;
         MARK_ALL(e + 7);
@@ -492,7 +518,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         // post-attention norm, gate_up rows with SiLU * up
         norm_into(res, w.post_norm, eps, vec, red);
         load_x<H / 256>(vec, xr);
-        for (int j = (warp - (int)(base % WARPS) + WARPS) % WARPS; j < n_gu; j += WARPS) {
+        for (int j = (warp - (int)(base % WARPS) + WARPS) % WARPS; j < s_gu.count; j += WARPS) {
             const bf16* st = ring.wait_item(base + j);
             float g = 0.f, u = 0.f;
             #pragma unroll
@@ -503,9 +529,9 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
             ring.release_item(base + j);
             g = round_bf16(warp_sum(g));
             u = round_bf16(warp_sum(u));
-            if (lane == 0) act[i0 + j] = (bf16)rne(round_bf16(g / (1.f + __expf(-g))) * u);
+            if (lane == 0) act[s_gu.item(j)] = (bf16)rne(round_bf16(g / (1.f + __expf(-g))) * u);
         }
-        base += n_gu;
+        base += s_gu.count;
         MARK_ALL(e + 9);
         if (!(SKIP & 1)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 10);
@@ -513,16 +539,17 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         // down rows (the activation from shared memory), the residual add
         for (int c = tid; c < I / 8; c += CONSUMERS) ((uint4*)vec)[c] = __ldcg((const uint4*)act + c);
         consumers_sync();
-        for (int j = (warp - (int)(base % WARPS) + WARPS) % WARPS; j < n_dn; j += WARPS) {
+        for (int j = (warp - (int)(base % WARPS) + WARPS) % WARPS; j < s_dn.count; j += WARPS) {
             const bf16* st = ring.wait_item(base + j);
             float a = 0.f;
             #pragma unroll 8
             for (int c = 0; c < I / 256; ++c) a += dot8(*(const uint4*)(st + c * 256 + lane * 8), *(const uint4*)(vec + c * 256 + lane * 8));
             ring.release_item(base + j);
             a = warp_sum(a);
-            if (lane == 0) res[h0 + j] = (bf16)rne(round_bf16(a) + bf(ldg_bf16(res + h0 + j)));
+            const int r = s_dn.item(j);
+            if (lane == 0) res[r] = (bf16)rne(round_bf16(a) + bf(ldg_bf16(res + r)));
         }
-        base += n_dn;
+        base += s_dn.count;
         MARK_ALL(e + 11);
         if (!(SKIP & 1)) grid_wait(counter, ++barrier);
     }
@@ -531,7 +558,7 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
     if (tid == 0) *entered = 6 * n_layers;
     norm_into(resid, final_norm, eps, vec, red);
     load_x<H / 256>(vec, xr);
-    dot_rows<H / 256>(ring, base, v0, v1, ROWS_H, xr, [&](int r, float a) { logits[r] = round_bf16(a); });
+    dot_rows<H / 256>(ring, base, vocab, ROWS_H, xr, [&](int r, float a) { logits[r] = round_bf16(a); });
     MARK_ALL(EVENTS_PER_LAYER * n_layers + 1);
     // the last block out resets the counters for the next step (every block is past every barrier by then)
     consumers_sync();
@@ -541,17 +568,19 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
 
 
 def source(hidden: int, q_size: int, kv_size: int, intermediate: int, timeline: bool = False, hold: int = 0,
-           no_weights: bool = False, prefetch: int = 0, skip: int = 0) -> str:
+           no_weights: bool = False, prefetch: int = 0, skip: int = 0, interleave: bool = False) -> str:
     """The kernel's CUDA source for these shapes; with `timeline`, it stamps each phase's end. `hold` (probing
     only): the producer issues o_proj's weights only once the consumers are past the attention (1), or each
     phase's only once they are in it (2), instead of running ahead. `no_weights` (probing only): no weight is
     read or multiplied; the norms, attention, merge and grid-wide waits run as they are. `prefetch`: ring stages
     asked into L2 this many stages ahead of their copy into shared memory (slower on the H200: RESULTS.md).
     `skip` (timing only, the results are wrong): 1 leaves out the four grid-wide waits after weight phases, 2 the
-    attention, the merge and their two waits."""
+    attention, the merge and their two waits. `interleave`: a block takes every gridDim.x-th item of each weight
+    phase rather than a contiguous share."""
     defines = {"H": hidden, "QD": q_size, "KVD": kv_size, "I": intermediate, "HEAD_DIM": HEAD_DIM, "WARPS": WARPS,
                "STAGES": STAGES, "SLOT_BYTES": SLOT_BYTES, "MAX_CHUNKS": MAX_CHUNKS, "TIMELINE": int(timeline), "HOLD": hold,
-               "NO_WEIGHTS": int(no_weights), "PREFETCH": prefetch, "SKIP": skip}
+               "NO_WEIGHTS": int(no_weights), "PREFETCH": prefetch, "SKIP": skip,
+               "INTERLEAVE": int(interleave)}
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + STREAM_HELPERS % () + BODY
 
 
@@ -592,7 +621,8 @@ class DecodeStepKernel:
     so the call can be captured in a CUDA graph once and replayed)."""
 
     def __init__(self, model, k_cache: torch.Tensor, v_cache: torch.Tensor, n_layers: int | None = None,
-                 timeline: bool = False, hold: int = 0, no_weights: bool = False, prefetch: int = 0, skip: int = 0):
+                 timeline: bool = False, hold: int = 0, no_weights: bool = False, prefetch: int = 0, skip: int = 0,
+                 interleave: bool = False):
         cfg = model.config
         why = supports(cfg, model.lm_head.weight.dtype, k_cache.dtype)
         if why:
@@ -626,7 +656,7 @@ class DecodeStepKernel:
             counter=torch.zeros(2, dtype=torch.int32, device=dev))
         self.shared = shared_bytes(cfg.intermediate_size)
         code = source(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, timeline, hold, no_weights,
-                      prefetch, skip)
+                      prefetch, skip, interleave)
         self.kernel = torch.cuda._compile_kernel(code, "decode_step",
                                                  compute_capability="%d%d" % torch.cuda.get_device_capability(dev))
         self.kernel.set_shared_memory_config(self.shared)

@@ -48,7 +48,9 @@ def eager_logits(engine, n_layers: int) -> torch.Tensor:
     return model.compute_logits(x)
 
 
-def check(engine, kernel, kernel_one, prompt_len: int) -> dict:
+def check(engine, kernel, kernel_one, prompt_len: int, other=None) -> dict:
+    """One decode step after a real prefill, through the engine's graph and through the kernel (and `other`, a
+    variant of it, if given), from the same inputs."""
     runner, pool = engine.runner, engine.runner.pool
     seq = engine.add_request(prompt_ids(prompt_len, seed=3), engine.sampling_params(temperature=0, max_tokens=2,
                                                                                     ignore_eos=True))
@@ -67,6 +69,8 @@ def check(engine, kernel, kernel_one, prompt_len: int) -> dict:
     one_ref = eager_logits(engine, 1)
     one = kernel_one(*statics(runner)).clone()
     out["one_layer_logits_vs_eager"] = rel(one, one_ref)
+    if other is not None:
+        out["variant_logits_vs_engine"] = rel(other(*statics(runner)), ours)
     out["counters_zero"] = bool((kernel.scratch.counter == 0).all())
     while not seq.finished:
         engine.step()
@@ -138,6 +142,7 @@ def main(argv=None):
     parser.add_argument("--no-timed", action="store_true")
     parser.add_argument("--holds", default="0", help="the kernel's producer holds (see decode_step.source), e.g. 0,1,2")
     parser.add_argument("--prefetches", default="0", help="ring stages asked into L2 ahead (decode_step.source), e.g. 0,8")
+    parser.add_argument("--interleave", action="store_true", help="also the kernel with interleaved items (and skips)")
     parser.add_argument("--skips", default="", help="also time the kernel without parts (decode_step_kernel.source's "
                         "skip, timing only), e.g. 1,2,3")
     args = parser.parse_args(argv)
@@ -149,8 +154,10 @@ def main(argv=None):
         engine.lookahead = False  # check() replays the first decode step itself
         kernel = DecodeStepKernel(engine.model, engine.runner.pool.k, engine.runner.pool.v)
         kernel_one = DecodeStepKernel(engine.model, engine.runner.pool.k, engine.runner.pool.v, n_layers=1)
+        interleaved = DecodeStepKernel(engine.model, engine.runner.pool.k, engine.runner.pool.v, interleave=True) \
+            if args.interleave else None
         if not args.no_check:
-            out["check"] = [check(engine, kernel, kernel_one, n) for n in (500, 4000)]
+            out["check"] = [check(engine, kernel, kernel_one, n, interleaved) for n in (500, 4000)]
             print("check", json.dumps(out["check"]), flush=True)
         contexts, holds = [int(c) for c in args.contexts.split(",")], [int(h) for h in args.holds.split(",")]
         prefetches = [int(p) for p in args.prefetches.split(",")]
@@ -167,6 +174,11 @@ def main(argv=None):
                         for p in prefetches if p})
         kernels.update({f"kernel_skip{k}": DecodeStepKernel(engine.model, pool.k, pool.v, skip=int(k))
                         for k in args.skips.split(",") if k})
+        if args.interleave:
+            kernels["kernel_interleave"] = interleaved
+            kernels.update({f"kernel_interleave_skip{k}": DecodeStepKernel(engine.model, pool.k, pool.v, skip=int(k),
+                                                                           interleave=True)
+                            for k in args.skips.split(",") if k})
         out["step"] = timed(engine, kernels, contexts, args.rounds)
     finish(out, args.out)
 

@@ -233,7 +233,7 @@ def test_decode_step_kernel_source_and_shapes(probes):
     eight = ModelConfig.from_hf(resolve("Qwen/Qwen3-8B").config)
     source = kernel.source(eight.hidden_size, eight.q_size, eight.kv_size, eight.intermediate_size, hold=2)
     for define in ("#define H 4096", "#define I 12288", "#define KVD 1024", "#define HOLD 2", "#define TIMELINE 0",
-                   "#define NO_WEIGHTS 0", "#define PREFETCH 0"):
+                   "#define NO_WEIGHTS 0", "#define PREFETCH 0", "#define SKIP 0", "#define INTERLEAVE 0"):
         assert define in source
     assert "%%" not in source and "asm volatile(\"mbarrier.arrive.shared::cta.b64 _, [%0];\"" in source
     assert kernel.shared_bytes(eight.intermediate_size) <= 227 * 1024
