@@ -36,8 +36,7 @@ from probe_nvrtc import STREAM_HELPERS, launch
 WARPS, STAGES, SLOT_BYTES = 8, 8, 24576
 MAX_CHUNKS = 64  # attention partials per head; a chunk is a multiple of 32 tokens
 HEAD_DIM = 128
-BARRIERS_PER_LAYER = 6
-# The timeline's stamps in a layer (consumers: the end of each; the producer: after issuing a weight's last copy)
+# The timeline's stamps in a layer: its start, then each phase's end (its last warp's) and each wait's release
 EVENTS = ("qkv_start", "qkv", "wait1", "attention", "wait2", "merge", "wait3", "o_proj", "wait4", "gate_up", "wait5",
           "down")
 EVENTS_PER_LAYER = len(EVENTS)
@@ -90,8 +89,7 @@ struct Ring {  // a block's ring: stage s is filled through full[s], handed back
     }
 };
 
-// TIMELINE: thread 0 of each block (and the producer's lane 0) stamps the global timer at each phase's end
-#define EVENTS_PER_LAYER 12
+// TIMELINE: thread 0 of each block stamps the global timer at each phase's end and each wait's release
 __device__ __forceinline__ unsigned long long now_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -100,11 +98,6 @@ __device__ __forceinline__ unsigned long long now_ns() {
 #define MARK(row, e) do { if (TIMELINE && timeline) timeline[(size_t)(row) * (EVENTS_PER_LAYER * n_layers + 2) + (e)] = now_ns(); } while (0)
 // a phase's end: when the block's last consumer warp is done with it
 #define MARK_ALL(e) do { if (TIMELINE && timeline) { consumers_sync(); MARK(blockIdx.x, e); } } while (0)
-
-struct Pending { const bf16* a; const bf16* b; unsigned na, nb; };  // a ring stage's sources, not yet copied
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-}
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory"); }
 __device__ __forceinline__ float warp_max(float v) {
@@ -387,73 +380,35 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
     bf16* vec = (bf16*)(smem + STAGES * SLOT_BYTES);  // a normed input, the activation, or the warps' queries
     unsigned long long* bars = (unsigned long long*)(smem + STAGES * SLOT_BYTES + VEC_BYTES);
     float* red = (float*)(bars + 2 * STAGES);
-    volatile int* entered = (volatile int*)(red + WARPS);  // the phase the consumers are in (see HOLD)
     const Ring ring{smem, bars, bars + STAGES};
     const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
-    if (tid == 0) {
-        *entered = 0;
-        for (int s = 0; s < STAGES; ++s) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&ring.full[s])));
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&ring.empty[s])));
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (tid == 0) init_ring(ring.full, ring.empty, STAGES, 1);
     __syncthreads();
     const Split s_qkv(QKV, ROWS_H), s_o(H, ROWS_Q), s_gu(I, 1), s_dn(H, 1), s_lm(vocab, ROWS_H);
 
     if (warp == WARPS) {  // the producer: weights depend on nothing, so it runs ahead through the whole step
         if (lane == 0 && !NO_WEIGHTS) {
-            // With PREFETCH, each stage's rows are first asked into L2 (a bulk prefetch) PREFETCH stages ahead of
-            // their copy into the ring, so that DRAM keeps streaming while the ring is full (a phase that reads no
-            // weights, a grid-wide wait).
-            Pending queue[PREFETCH + 1];
-            int head = 0, count = 0;
             unsigned it = 0;
-            auto emit = [&](const bf16* a, unsigned na, const bf16* b, unsigned nb) {
-                if (PREFETCH == 0) { ring.produce(it++, a, na, b, nb); return; }
-                prefetch_l2(a, na);
-                if (nb) prefetch_l2(b, nb);
-                queue[(head + count) % (PREFETCH + 1)] = Pending{a, b, na, nb};
-                if (++count > PREFETCH) {
-                    const Pending q = queue[head];
-                    head = (head + 1) % (PREFETCH + 1);
-                    --count;
-                    ring.produce(it++, q.a, q.na, q.b, q.nb);
-                }
-            };
             for (int l = 0; l < n_layers; ++l) {
                 const Layer w = layers[l];
-                const int row = gridDim.x + blockIdx.x, e = l * EVENTS_PER_LAYER;
-                if (HOLD >= 2) while (*entered < 6 * l) __nanosleep(64);
                 for (int j = 0; j < s_qkv.count; ++j) {
                     const int r = s_qkv.item(j) * ROWS_H;
-                    emit(w.qkv + (size_t)r * H, min(ROWS_H, QKV - r) * H * 2, 0, 0);
+                    ring.produce(it++, w.qkv + (size_t)r * H, min(ROWS_H, QKV - r) * H * 2, 0, 0);
                 }
-                MARK(row, e + 1);
-                if (HOLD >= 1) while (*entered < 6 * l + 3) __nanosleep(64);
                 for (int j = 0; j < s_o.count; ++j) {
                     const int r = s_o.item(j) * ROWS_Q;
-                    emit(w.o + (size_t)r * QD, min(ROWS_Q, H - r) * QD * 2, 0, 0);
+                    ring.produce(it++, w.o + (size_t)r * QD, min(ROWS_Q, H - r) * QD * 2, 0, 0);
                 }
-                MARK(row, e + 7);
-                if (HOLD >= 2) while (*entered < 6 * l + 4) __nanosleep(64);
-                for (int j = 0; j < s_gu.count; ++j) {
+                for (int j = 0; j < s_gu.count; ++j) {  // gate row r, then up row r
                     const int r = s_gu.item(j);
-                    emit(w.gate_up + (size_t)r * H, H * 2, w.gate_up + (size_t)(I + r) * H, H * 2);
+                    ring.produce(it++, w.gate_up + (size_t)r * H, H * 2, w.gate_up + (size_t)(I + r) * H, H * 2);
                 }
-                MARK(row, e + 9);
-                if (HOLD >= 2) while (*entered < 6 * l + 5) __nanosleep(64);
-                for (int j = 0; j < s_dn.count; ++j) emit(w.down + (size_t)s_dn.item(j) * I, I * 2, 0, 0);
-                MARK(row, e + 11);
+                for (int j = 0; j < s_dn.count; ++j) ring.produce(it++, w.down + (size_t)s_dn.item(j) * I, I * 2, 0, 0);
             }
-            if (HOLD >= 2) while (*entered < 6 * n_layers) __nanosleep(64);
             for (int j = 0; j < s_lm.count; ++j) {
                 const int r = s_lm.item(j) * ROWS_H;
-                emit(lm_head + (size_t)r * H, min(ROWS_H, vocab - r) * H * 2, 0, 0);
+                ring.produce(it++, lm_head + (size_t)r * H, min(ROWS_H, vocab - r) * H * 2, 0, 0);
             }
-            for (; count > 0; --count, head = (head + 1) % (PREFETCH + 1))
-                ring.produce(it++, queue[head].a, queue[head].na, queue[head].b, queue[head].nb);
-            MARK(gridDim.x + blockIdx.x, EVENTS_PER_LAYER * n_layers + 1);
         }
         return;
     }
@@ -472,7 +427,6 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         bf16* vc = v_cache + l * layer_stride;
         const int e = l * EVENTS_PER_LAYER;
         MARK(blockIdx.x, e);
-        if (tid == 0) *entered = 6 * l;
         // input norm, qkv rows
         norm_into(resid, w.in_norm, eps, vec, red);
         load_x<H / 256>(vec, xr);
@@ -498,7 +452,6 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         MARK_ALL(e + 5);
         if (!(SKIP & 2)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 6);
-        if (tid == 0) *entered = 6 * l + 3;
         // o_proj rows, the residual add
         {
             uint4 xo[QD / 256];
@@ -514,7 +467,6 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         MARK_ALL(e + 7);
         if (!(SKIP & 1)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 8);
-        if (tid == 0) *entered = 6 * l + 4;
         // post-attention norm, gate_up rows with SiLU * up
         norm_into(res, w.post_norm, eps, vec, red);
         load_x<H / 256>(vec, xr);
@@ -535,7 +487,6 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
         MARK_ALL(e + 9);
         if (!(SKIP & 1)) grid_wait(counter, ++barrier);
         MARK(blockIdx.x, e + 10);
-        if (tid == 0) *entered = 6 * l + 5;
         // down rows (the activation from shared memory), the residual add
         for (int c = tid; c < I / 8; c += CONSUMERS) ((uint4*)vec)[c] = __ldcg((const uint4*)act + c);
         consumers_sync();
@@ -555,7 +506,6 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
     }
     // the final norm, LM head rows
     MARK(blockIdx.x, EVENTS_PER_LAYER * n_layers);
-    if (tid == 0) *entered = 6 * n_layers;
     norm_into(resid, final_norm, eps, vec, red);
     load_x<H / 256>(vec, xr);
     dot_rows<H / 256>(ring, base, vocab, ROWS_H, xr, [&](int r, float a) { logits[r] = round_bf16(a); });
@@ -567,25 +517,22 @@ decode_step(const Layer* layers, int n_layers, const bf16* embed, const bf16* fi
 """
 
 
-def source(hidden: int, q_size: int, kv_size: int, intermediate: int, timeline: bool = False, hold: int = 0,
-           no_weights: bool = False, prefetch: int = 0, skip: int = 0, interleave: bool = False) -> str:
-    """The kernel's CUDA source for these shapes; with `timeline`, it stamps each phase's end. `hold` (probing
-    only): the producer issues o_proj's weights only once the consumers are past the attention (1), or each
-    phase's only once they are in it (2), instead of running ahead. `no_weights` (probing only): no weight is
-    read or multiplied; the norms, attention, merge and grid-wide waits run as they are. `prefetch`: ring stages
-    asked into L2 this many stages ahead of their copy into shared memory (slower on the H200: RESULTS.md).
-    `skip` (timing only, the results are wrong): 1 leaves out the four grid-wide waits after weight phases, 2 the
-    attention, the merge and their two waits. `interleave`: a block takes every gridDim.x-th item of each weight
-    phase rather than a contiguous share."""
+def source(hidden: int, q_size: int, kv_size: int, intermediate: int, timeline: bool = False,
+           no_weights: bool = False, skip: int = 0, interleave: bool = False) -> str:
+    """The kernel's CUDA source for these shapes; with `timeline`, it stamps each phase's end. For probing only:
+    with `no_weights` no weight is read or multiplied (the norms, attention, merge and grid-wide waits run as they
+    are); `skip` (the results are then wrong) 1 leaves out the four grid-wide waits after weight phases, 2 the
+    attention, the merge and their two waits, 3 both. `interleave`: a block takes every gridDim.x-th item of each
+    weight phase rather than a contiguous share."""
     defines = {"H": hidden, "QD": q_size, "KVD": kv_size, "I": intermediate, "HEAD_DIM": HEAD_DIM, "WARPS": WARPS,
-               "STAGES": STAGES, "SLOT_BYTES": SLOT_BYTES, "MAX_CHUNKS": MAX_CHUNKS, "TIMELINE": int(timeline), "HOLD": hold,
-               "NO_WEIGHTS": int(no_weights), "PREFETCH": prefetch, "SKIP": skip,
+               "STAGES": STAGES, "SLOT_BYTES": SLOT_BYTES, "MAX_CHUNKS": MAX_CHUNKS, "TIMELINE": int(timeline),
+               "EVENTS_PER_LAYER": EVENTS_PER_LAYER, "NO_WEIGHTS": int(no_weights), "SKIP": skip,
                "INTERLEAVE": int(interleave)}
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + STREAM_HELPERS % () + BODY
 
 
 def shared_bytes(intermediate: int) -> int:
-    return STAGES * SLOT_BYTES + intermediate * 2 + 2 * STAGES * 8 + WARPS * 4 + 4
+    return STAGES * SLOT_BYTES + intermediate * 2 + 2 * STAGES * 8 + WARPS * 4
 
 
 def supports(config, weight_dtype: torch.dtype, cache_dtype: torch.dtype) -> str | None:
@@ -621,8 +568,9 @@ class DecodeStepKernel:
     so the call can be captured in a CUDA graph once and replayed)."""
 
     def __init__(self, model, k_cache: torch.Tensor, v_cache: torch.Tensor, n_layers: int | None = None,
-                 timeline: bool = False, hold: int = 0, no_weights: bool = False, prefetch: int = 0, skip: int = 0,
-                 interleave: bool = False):
+                 timeline: bool = False, no_weights: bool = False, skip: int = 0, interleave: bool = False):
+        if skip not in (0, 1, 2, 3):
+            raise ValueError(f"skip: 0, 1, 2 or 3 (see source), not {skip!r}")
         cfg = model.config
         why = supports(cfg, model.lm_head.weight.dtype, k_cache.dtype)
         if why:
@@ -655,14 +603,14 @@ class DecodeStepKernel:
             part_ml=torch.empty(cfg.num_attention_heads * MAX_CHUNKS * 2, dtype=torch.float32, device=dev),
             counter=torch.zeros(2, dtype=torch.int32, device=dev))
         self.shared = shared_bytes(cfg.intermediate_size)
-        code = source(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, timeline, hold, no_weights,
-                      prefetch, skip, interleave)
+        code = source(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, timeline, no_weights, skip,
+                      interleave)
         self.kernel = torch.cuda._compile_kernel(code, "decode_step",
                                                  compute_capability="%d%d" % torch.cuda.get_device_capability(dev))
         self.kernel.set_shared_memory_config(self.shared)
         self.grid = torch.cuda.get_device_properties(dev).multi_processor_count
-        # with `timeline`: [consumers of each block, then the producer of each block] x [12 a layer + 2] ns stamps
-        self.timeline = torch.zeros(2 * self.grid, EVENTS_PER_LAYER * self.n_layers + 2, dtype=torch.int64,
+        # with `timeline`: [blocks] x [EVENTS_PER_LAYER a layer, then the LM head's start and end] ns stamps
+        self.timeline = torch.zeros(self.grid, EVENTS_PER_LAYER * self.n_layers + 2, dtype=torch.int64,
                                     device=dev) if timeline else None
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,

@@ -5,10 +5,9 @@ Checked: after a real prefill, one decode step through the engine's graph and th
 inputs: the logits (relative error, argmax) and the key and value each wrote into the cache for every layer.
 Also the kernel cut to its first layer against the engine's own layers run eagerly, cut alike (where a wrong
 result would show first). Phases: the kernel's timeline (each block's stamps at each phase's end) at each
-context, with the producer held back if asked (--holds), with the ring's stages asked into L2 ahead (--prefetches)
-and with no weights read at all (--no-weights). Timed (with --skips also the kernel without parts of it):
-the engine's graph and the kernel's as CUDA graphs at several contexts (nothing stored, as
-probe_decode_parts.py's step), interleaved over rounds.
+context, and with no weights read at all (--no-weights). Timed: the engine's graph and the kernel's as CUDA graphs
+at several contexts (nothing stored, as probe_decode_parts.py's step), interleaved over rounds; with --skips also
+the kernel without parts of it, with --interleave the kernel taking interleaved items.
 
     python3 benchmarks/probe_decode_step.py --contexts 128,512,2048 --out $OUT/decode_step.json
     python3 benchmarks/probe_decode_step.py --no-check --no-timed --no-weights --contexts 512 --out $OUT/parts.json
@@ -23,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from bench_h200 import cuda_ms, make_engine, positive_int, prompt_ids, rel
-from llm_anatomy.engine.runner import SHORT_BLOCK_N, SHORT_CONTEXT, SHORT_SPLITS
+from bench_h200 import cuda_ms, make_engine, names_from, positive_int, prompt_ids, rel
 from decode_step_kernel import EVENTS, EVENTS_PER_LAYER, DecodeStepKernel
+from llm_anatomy.engine.runner import SHORT_BLOCK_N, SHORT_CONTEXT, SHORT_SPLITS
 from llm_anatomy.kernels.pdl import enable_pdl
 from llm_anatomy.models.attention import AttentionBatch
 from probe_decode_parts import decode_forward
+from probe_new_length import prompt_lengths
 
 
 def statics(runner):
@@ -96,13 +96,12 @@ def timed(engine, kernels: dict, contexts, rounds: int) -> dict:
     return out
 
 
-def phases(engine, contexts, hold: int = 0, no_weights: bool = False, prefetch: int = 0) -> dict:
-    """Where the kernel's time goes: its timeline (each block's stamps at each phase's end), per phase the median
-    over layers of the median and the slowest block's duration, in us; and when each block's producer issued
-    its last copy of each weight, relative to the consumers' end of that weight's phase."""
+def phases(engine, contexts, no_weights: bool = False) -> dict:
+    """Where the kernel's time goes: its timeline (each block's stamps when its last warp ends a phase and when the
+    wait after it releases the block); per phase the median over layers of the median and of the slowest block's
+    duration, in us."""
     runner = engine.runner
-    kernel = DecodeStepKernel(engine.model, runner.pool.k, runner.pool.v, timeline=True, hold=hold,
-                              no_weights=no_weights, prefetch=prefetch)
+    kernel = DecodeStepKernel(engine.model, runner.pool.k, runner.pool.v, timeline=True, no_weights=no_weights)
     out = {}
     for context in contexts:
         decode_forward(engine, context)
@@ -111,81 +110,65 @@ def phases(engine, contexts, hold: int = 0, no_weights: bool = False, prefetch: 
         torch.cuda.synchronize()
         t = kernel.timeline.double() / 1e3  # us
         g, layers = kernel.grid, kernel.n_layers
-        cons, prod = t[:g], t[g:]
-        stamps = cons[:, :EVENTS_PER_LAYER * layers].view(g, layers, EVENTS_PER_LAYER)
-        nxt = torch.cat([stamps[:, 1:, :1], cons[:, -2:-1].view(g, 1, 1)], dim=1)  # the next layer's start
+        stamps = t[:, :EVENTS_PER_LAYER * layers].view(g, layers, EVENTS_PER_LAYER)
+        nxt = torch.cat([stamps[:, 1:, :1], t[:, -2:-1].view(g, 1, 1)], dim=1)  # the next layer's start
         ends = torch.cat([stamps[:, :, 1:], nxt], dim=2)
         dur = ends - stamps  # [blocks, layers, phase]: phase i runs from stamp i to stamp i + 1
         names = EVENTS[1:] + ("wait6",)
-        row = {"step_us": (cons[:, -1].max() - cons[:, 0].min()).item(),
-               "lm_head_us": (cons[:, -1] - cons[:, -2]).median().item()}
+        row = {"step_us": (t[:, -1].max() - t[:, 0].min()).item(),
+               "lm_head_us": (t[:, -1] - t[:, -2]).median().item()}
         for i, name in enumerate(names):
             row[name] = {"median": dur[:, :, i].median(0).values.median().item(),
                          "slowest": dur[:, :, i].max(0).values.median().item()}
-        # the producer's last copy of a phase's weight, against the consumers' end of that phase (us; < 0: early)
-        pstamps = prod[:, :EVENTS_PER_LAYER * layers].view(g, layers, EVENTS_PER_LAYER)
-        for i, name in ((1, "qkv"), (7, "o_proj"), (9, "gate_up"), (11, "down")):
-            row[f"producer_{name}_lead"] = (pstamps[:, :, i] - stamps[:, :, i]).median().item()
         out[context] = row
-        print("phases", context, f"hold {hold} prefetch {prefetch}", "no_weights" if no_weights else "",
-              json.dumps(row), flush=True)
+        print("phases", context, "no_weights" if no_weights else "", json.dumps(row), flush=True)
     return out
+
+
+MAX_CONTEXT = 32768 + 512  # the KV pool this probe allocates
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--rounds", type=positive_int, default=5)
-    parser.add_argument("--contexts", default="128,512,2048,8192,32768")
+    parser.add_argument("--contexts", type=prompt_lengths, default=[128, 512, 2048, 8192, 32768])
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--no-weights", action="store_true", help="also the phases with no weight read (timing only)")
     parser.add_argument("--no-timed", action="store_true")
-    parser.add_argument("--holds", default="0", help="the kernel's producer holds (see decode_step.source), e.g. 0,1,2")
-    parser.add_argument("--prefetches", default="0", help="ring stages asked into L2 ahead (decode_step.source), e.g. 0,8")
     parser.add_argument("--interleave", action="store_true", help="also the kernel with interleaved items (and skips)")
-    parser.add_argument("--skips", default="", help="also time the kernel without parts (decode_step_kernel.source's "
-                        "skip, timing only), e.g. 1,2,3")
+    parser.add_argument("--skips", type=names_from(("1", "2", "3"), "skip"), default=[],
+                        help="also time the kernel without parts (decode_step_kernel.source's skip, timing only)")
     args = parser.parse_args(argv)
+    if max(args.contexts) > MAX_CONTEXT:
+        parser.error(f"--contexts: at most {MAX_CONTEXT} tokens (the KV pool this probe allocates)")
     dev = torch.device("cuda")
     enable_pdl(dev)
     out = {}
     with torch.inference_mode():
-        engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=32768 + 512, max_num_seqs=1)
+        engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=MAX_CONTEXT, max_num_seqs=1)
         engine.lookahead = False  # check() replays the first decode step itself
-        kernel = DecodeStepKernel(engine.model, engine.runner.pool.k, engine.runner.pool.v)
-        kernel_one = DecodeStepKernel(engine.model, engine.runner.pool.k, engine.runner.pool.v, n_layers=1)
-        interleaved = DecodeStepKernel(engine.model, engine.runner.pool.k, engine.runner.pool.v, interleave=True) \
-            if args.interleave else None
+        pool = engine.runner.pool
+        kernel = DecodeStepKernel(engine.model, pool.k, pool.v)
+        interleaved = DecodeStepKernel(engine.model, pool.k, pool.v, interleave=True) if args.interleave else None
         if not args.no_check:
+            kernel_one = DecodeStepKernel(engine.model, pool.k, pool.v, n_layers=1)
             out["check"] = [check(engine, kernel, kernel_one, n, interleaved) for n in (500, 4000)]
             print("check", json.dumps(out["check"]), flush=True)
-        contexts, holds = [int(c) for c in args.contexts.split(",")], [int(h) for h in args.holds.split(",")]
-        prefetches = [int(p) for p in args.prefetches.split(",")]
-        out["phases"] = {hold: phases(engine, contexts, hold) for hold in holds}
-        out["phases_prefetch"] = {p: phases(engine, contexts, prefetch=p) for p in prefetches if p}
+        out["phases"] = phases(engine, args.contexts)
         if args.no_weights:
-            out["phases_no_weights"] = phases(engine, contexts, no_weights=True)
-        if args.no_timed:
-            return finish(out, args.out)
-        pool = engine.runner.pool
-        kernels = {f"kernel_hold{h}" if h else "kernel": kernel if h == 0 else
-                   DecodeStepKernel(engine.model, pool.k, pool.v, hold=h) for h in holds}
-        kernels.update({f"kernel_prefetch{p}": DecodeStepKernel(engine.model, pool.k, pool.v, prefetch=p)
-                        for p in prefetches if p})
-        kernels.update({f"kernel_skip{k}": DecodeStepKernel(engine.model, pool.k, pool.v, skip=int(k))
-                        for k in args.skips.split(",") if k})
-        if args.interleave:
-            kernels["kernel_interleave"] = interleaved
-            kernels.update({f"kernel_interleave_skip{k}": DecodeStepKernel(engine.model, pool.k, pool.v, skip=int(k),
-                                                                           interleave=True)
-                            for k in args.skips.split(",") if k})
-        out["step"] = timed(engine, kernels, contexts, args.rounds)
-    finish(out, args.out)
-
-
-def finish(out: dict, path: str | None) -> None:
-    if path:
-        Path(path).write_text(json.dumps(out, indent=1))
+            out["phases_no_weights"] = phases(engine, args.contexts, no_weights=True)
+        if not args.no_timed:
+            kernels = {"kernel": kernel, "kernel_interleave": interleaved}
+            for skip in map(int, args.skips):
+                kernels[f"kernel_skip{skip}"] = DecodeStepKernel(engine.model, pool.k, pool.v, skip=skip)
+                if args.interleave:
+                    kernels[f"kernel_interleave_skip{skip}"] = DecodeStepKernel(engine.model, pool.k, pool.v,
+                                                                                skip=skip, interleave=True)
+            out["step"] = timed(engine, {k: v for k, v in kernels.items() if v is not None}, args.contexts,
+                                args.rounds)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ extern "C" __global__ void add_one(float* y, int n) {
 """
 # Device helpers shared by the streaming kernels' CUDA sources (probe_stream_chain.py, probe_stream_mlp.py,
 # decode_step_kernel.py): mbarrier waits and bulk copies into shared memory, bf16 <-> float, a dot product of 8 bf16
-# pairs, a warp's sum. A piece of a %-template (hence the %%), placed before the kernels and formatted with them.
+# pairs, a warp's sum, a ring's barriers. A piece of a %-template (hence the %%), placed before the kernels and formatted with them.
 STREAM_HELPERS = r"""
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ bool mbar_done(unsigned bar, unsigned parity) {
@@ -44,6 +44,16 @@ __device__ __forceinline__ bool mbar_done(unsigned bar, unsigned parity) {
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) { while (!mbar_done(bar, parity)) {} }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%%0];" :: "r"(bar) : "memory");
+}
+// Thread 0, then a block-wide sync: a ring's barriers. full[s] completes on the producer's arrival (and its
+// bytes), empty[s] on `consumers` arrivals.
+__device__ __forceinline__ void init_ring(unsigned long long* full, unsigned long long* empty, int stages,
+                                          unsigned consumers) {
+    for (int s = 0; s < stages; ++s) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%%0], 1;" :: "r"(smem_addr(&full[s])));
+        asm volatile("mbarrier.init.shared::cta.b64 [%%0], %%1;" :: "r"(smem_addr(&empty[s])), "r"(consumers));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%%0], [%%1], %%2, [%%3];"

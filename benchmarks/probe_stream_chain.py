@@ -54,13 +54,7 @@ stream_chain(const unsigned short* w, unsigned short* xs, unsigned* counter, int
     const int groups = N / ROWS;
     const int g0 = blockIdx.x * groups / gridDim.x, g1 = (blockIdx.x + 1) * groups / gridDim.x;
     const int mine = g1 - g0;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%%0], 1;" :: "r"(smem_addr(&full[s])));
-            asm volatile("mbarrier.init.shared::cta.b64 [%%0], 8;" :: "r"(smem_addr(&empty[s])));
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (tid == 0) init_ring(full, empty, STAGES, 8);
     __syncthreads();
 
     if (warp == 8) {  // the producer: this block's rows of every product, in order, as fast as stages free up

@@ -66,13 +66,7 @@ stream_mlp(const bf16* x, bf16* res, const bf16* norm_w, const bf16* gate_up, co
     const int groups = I / GU_ROWS;
     const int ga = blockIdx.x * groups / gridDim.x, n_gu = (blockIdx.x + 1) * groups / gridDim.x - ga;
     const int ra = blockIdx.x * H / gridDim.x, n_dn = (blockIdx.x + 1) * H / gridDim.x - ra;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%%0], 1;" :: "r"(smem_addr(&full[s])));
-            asm volatile("mbarrier.init.shared::cta.b64 [%%0], 1;" :: "r"(smem_addr(&empty[s])));
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (tid == 0) init_ring(full, empty, STAGES, 1);
     __syncthreads();
 
     if (warp == WARPS) {  // the producer: weights depend on nothing, so no PDL wait

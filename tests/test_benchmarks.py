@@ -93,8 +93,12 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
     parts, attention = probes("probe_decode_parts"), probes("probe_decode_attention")
     overlap, blas = probes("probe_gemv_overlap"), probes("probe_blas")
     persistent, fused, spacer = probes("probe_persistent_mlp"), probes("probe_fused_mlp"), probes("probe_spacer")
-    layout, stream_mlp = probes("probe_kv_layout"), probes("probe_stream_mlp")
+    layout, stream_mlp, step = probes("probe_kv_layout"), probes("probe_stream_mlp"), probes("probe_decode_step")
     for main, argv, message in (
+            (step.main, ["--contexts", "512,40000"], "at most 33280 tokens"),
+            (step.main, ["--contexts", "0"], "positive token counts"),
+            (step.main, ["--skips", "1,4"], "unknown skip 4; pick from 1,2,3"),
+            (step.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
             (persistent.main, ["--layers", "0"], "want a positive whole number, got '0'"),
             (stream_mlp.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
             (layout.main, ["--tiles", "engine,nope"], "unknown tile nope"),
@@ -231,9 +235,9 @@ def test_decode_step_kernel_source_and_shapes(probes):
     pytest.importorskip("triton")
     kernel = probes("decode_step_kernel")
     eight = ModelConfig.from_hf(resolve("Qwen/Qwen3-8B").config)
-    source = kernel.source(eight.hidden_size, eight.q_size, eight.kv_size, eight.intermediate_size, hold=2)
-    for define in ("#define H 4096", "#define I 12288", "#define KVD 1024", "#define HOLD 2", "#define TIMELINE 0",
-                   "#define NO_WEIGHTS 0", "#define PREFETCH 0", "#define SKIP 0", "#define INTERLEAVE 0"):
+    source = kernel.source(eight.hidden_size, eight.q_size, eight.kv_size, eight.intermediate_size, skip=3)
+    for define in ("#define H 4096", "#define I 12288", "#define KVD 1024", "#define SKIP 3", "#define TIMELINE 0",
+                   "#define NO_WEIGHTS 0", "#define INTERLEAVE 0", f"#define EVENTS_PER_LAYER {len(kernel.EVENTS)}"):
         assert define in source
     assert "%%" not in source and "asm volatile(\"mbarrier.arrive.shared::cta.b64 _, [%0];\"" in source
     assert kernel.shared_bytes(eight.intermediate_size) <= 227 * 1024
@@ -243,3 +247,5 @@ def test_decode_step_kernel_source_and_shapes(probes):
     assert "rows too short" in kernel.supports(small, torch.bfloat16, torch.bfloat16)
     fourteen = ModelConfig.from_hf(resolve("Qwen/Qwen3-14B").config)
     assert "too long" in kernel.supports(fourteen, torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="skip: 0, 1, 2 or 3"):  # before any work on the model or the device
+        kernel.DecodeStepKernel(None, None, None, skip=4)
