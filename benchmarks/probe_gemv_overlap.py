@@ -51,7 +51,7 @@ PREFETCHES = (1, 2)
 
 
 @triton.jit
-def launch_only(USE_PDL: tl.constexpr):
+def launch_only(USE_PDL: tl.constexpr, LAUNCH_FIRST: tl.constexpr = False):
     """gdc_enter without its wait: the kernel no longer waits for the one before (timing only)."""
     if USE_PDL:
         gdc_launch_dependents()

@@ -19,8 +19,38 @@ def triton_available() -> bool:
     return True
 
 
+@cache
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA device (persistent kernels launch one program each); 8 under the interpreter."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def use_kernels(device) -> bool:
     """Whether the fast path's kernels apply to tensors on this device."""
     if device.type == "cuda":
         return triton_available()
     return os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
+
+
+def _interpreter_index_fix() -> None:
+    """Triton 3.6's interpreter makes a loop bound an int with int(array), which NumPy >= 2.3 refuses for the
+    one-element arrays that program ids are; the persistent GEMM ranges from its program id. Patch that one
+    conversion (the interpreter re-applies its patches at every launch, so wrap the function that does)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "index_fixed", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch.index_fixed = True
+    interpreter._patch_lang_tensor = patch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and triton_available():
+    _interpreter_index_fix()

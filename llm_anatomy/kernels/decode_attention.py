@@ -11,13 +11,13 @@ was slower on the H200: 15 us a layer against 7.4 for the two kernels, its merge
 loads. benchmarks/results/2026-11-29_bench_run3.json, section attn.)
 """
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from . import sm_count
 from .pdl import PDL, gdc_enter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -78,7 +78,7 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
     start = s * per_split
     end = tl.minimum(start + per_split, ctx)
-    gdc_enter(USE_PDL)
+    gdc_enter(USE_PDL, LAUNCH_FIRST=True)  # see pdl.py
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -125,11 +125,6 @@ def _decode_attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_o
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
     """Enough (sequence, head, split) programs to give every multiprocessor about two."""
     return max(1, min(64, triton.cdiv(2 * sm_count, batch * n_kv_heads)))
@@ -148,7 +143,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K and V caches laid out alike"
     assert k_cache.stride(0) == page_size * k_cache.stride(1), "a page's positions one slot stride apart"
     group = n_heads // n_kv_heads
-    splits = splits or default_splits(batch, n_kv_heads, _sm_count(q.device))
+    splits = splits or default_splits(batch, n_kv_heads, sm_count(q.device))
     block_n = block_n or BLOCK_N
     acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)

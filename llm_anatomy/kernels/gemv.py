@@ -85,7 +85,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
         w_first = tl.load(wp_ptrs, mask=rn[:, None] < N, other=0.0)
         if GATED:
             u_first = tl.load(wp_ptrs + N * stride_wn, mask=rn[:, None] < N, other=0.0)
-    gdc_enter(USE_PDL)
+    gdc_enter(USE_PDL, LAUNCH_FIRST=True)  # see pdl.py
     if PREFETCH > 0:
         x_first = tl.load(x_ptr + rm[:, None] * stride_xm + rp[None, :], mask=rm[:, None] < M, other=0.0)
         acc += _dot(x_first, w_first, IEEE)
