@@ -21,10 +21,10 @@ def engine(tmp_path_factory):
 def compiled_kernels() -> int:
     import triton
 
-    from llm_anatomy.kernels import activation, decode_attention, gemv, norm, rope
+    from llm_anatomy.kernels import activation, decode_attention, gemv, matmul, norm, rope
 
     count = 0
-    for module in (activation, decode_attention, gemv, norm, rope):
+    for module in (activation, decode_attention, gemv, matmul, norm, rope):
         for fn in vars(module).values():
             if isinstance(fn, triton.runtime.jit.JITFunction):
                 count += sum(len(cache[0]) for cache in fn.device_caches.values())

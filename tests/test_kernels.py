@@ -231,3 +231,35 @@ def test_fast_path_logit_bias_and_seeded_sampling(save_tiny):
     seeded = [engine.generate_many([[1, 2]], temperature=1.0, max_tokens=8, ignore_eos=True, seed=3)[0].output_token_ids
               for _ in range(2)]
     assert seeded[0] == seeded[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_matmul_plain_gated_and_with_residual(dtype):
+    """The persistent prefill GEMM: 70 rows (not a multiple of the tile's: TMA pads the loads and clips the
+    stores), several K tiles, more output tiles than programs; its SiLU*up and residual-add epilogues."""
+    from llm_anatomy.kernels.matmul import GemmTile, matmul, matmul_reference
+
+    tile = GemmTile(32, 32, 32, 2, 4) if DEVICE.type == "cpu" else GemmTile(64, 64, 64, 3, 4)
+    x, w = rand(70, 192, dtype=dtype), rand(256, 192, seed=1, dtype=dtype) / 8
+    ref = F.linear(x.float(), w.float())
+    assert rel(matmul(x, w, tile), ref) < TOL[dtype]
+    assert rel(matmul(x, w, tile, gated=True), silu_mul_reference(ref)) < TOL[dtype]
+    residual = rand(70, 256, seed=2, dtype=dtype)
+    expected = ref + residual.float()
+    out = matmul(x, w, tile, residual=residual)
+    assert out.data_ptr() == residual.data_ptr() and rel(residual, expected) < TOL[dtype]
+    assert rel(matmul_reference(x.float(), w.float(), gated=True), silu_mul_reference(ref)) < 1e-6
+    with pytest.raises(ValueError, match="multiple of the tile"):
+        matmul(x, w[:200], tile, gated=True)
+
+
+def test_prefill_gated_matmul_applies_to_long_bf16_prompts_on_hopper_only():
+    from llm_anatomy.kernels.matmul import GATED_MIN_ROWS, GATED_TILE, supports_gated
+
+    w = rand(4 * GATED_TILE.bn, 64, dtype=torch.bfloat16)
+    long, short = rand(GATED_MIN_ROWS, 64, dtype=torch.bfloat16), rand(GATED_MIN_ROWS - 1, 64, dtype=torch.bfloat16)
+    hopper = DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert supports_gated(long, w) == hopper
+    assert not supports_gated(short, w)
+    assert not supports_gated(long.float(), w.float())
+    assert not supports_gated(long, w[:3 * GATED_TILE.bn])  # an intermediate size the tile does not divide

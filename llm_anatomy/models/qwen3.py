@@ -15,7 +15,7 @@ from .attention import AttentionBatch, attend, prefill_step_attention
 from .config import ModelConfig
 
 try:  # the fast path's kernels; without Triton the model runs the PyTorch path only
-    from ..kernels import gemv, norm
+    from ..kernels import gemv, matmul, norm
     from ..kernels.activation import silu_mul
     from ..kernels.decode_attention import paged_decode_attention
     from ..kernels.rope import qk_norm_rope_store
@@ -154,8 +154,11 @@ class MLP(nn.Module, FastPath):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast:
-            if gemv.supports(x, self.gate_up_proj.weight):  # decode: SiLU*up fused into the gate_up GEMV
-                act = gemv.gemv(x, self.gate_up_proj.weight, gated=True)
+            w = self.gate_up_proj.weight
+            if gemv.supports(x, w):  # decode: SiLU*up fused into the gate_up GEMV
+                act = gemv.gemv(x, w, gated=True)
+            elif matmul.supports_gated(x, w):  # a long prefill: SiLU*up in the GEMM's epilogue
+                act = matmul.matmul(x, w, matmul.GATED_TILE, gated=True)
             else:
                 act = silu_mul(self.gate_up_proj(x))
             return linear(act, self.down_proj, True)
