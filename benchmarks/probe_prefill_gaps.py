@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_h200 import one_prefill_ms, prefill_ms, prompt_ids
+from bench_h200 import cuda_ms, one_prefill_ms, prefill_ms, prompt_ids
 from llm_anatomy import Engine
 from llm_anatomy.probe.telemetry import GpuTelemetry
 
@@ -68,9 +68,12 @@ def sustained(engine: Engine) -> dict:
 
 
 def gaps(prof, top: int = 12) -> dict:
+    """The device's work in one profiled step: kernels (and copies) against their span, the idle gaps between
+    them, and the host's time in the step before the first and after the last (the device idles then too)."""
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
     host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    step = next(e for e in host if e.name == "engine.step")
     busy = sum(e.time_range.end - e.time_range.start for e in kernels)
     idle, end = [], kernels[0].time_range.end
     for before, after in zip(kernels, kernels[1:]):
@@ -82,6 +85,8 @@ def gaps(prof, top: int = 12) -> dict:
     span = kernels[-1].time_range.end - kernels[0].time_range.start
     idle.sort(key=lambda g: -g[0])
     return {"kernels": len(kernels), "span_ms": span / 1e3, "kernel_ms": busy / 1e3,
+            "host_before_first_kernel_ms": (kernels[0].time_range.start - step.time_range.start) / 1e3,
+            "host_after_last_kernel_ms": (step.time_range.end - kernels[-1].time_range.end) / 1e3,
             "idle_ms": sum(g[0] for g in idle) / 1e3, "idle_count": len(idle),
             "largest": [(round(g[0] / 1e3, 3), *g[1:]) for g in idle[:top]]}
 
@@ -91,6 +96,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--trace-dir")
     parser.add_argument("--out")
+    parser.add_argument("--no-sustained", action="store_true", help="skip the sustained-load section")
     args = parser.parse_args()
     engine = Engine.from_pretrained("Qwen/Qwen3-8B", device="cuda", weights="synthetic", kv_cache_tokens=40960)
     out = {}
@@ -99,21 +105,30 @@ def main() -> None:
         seq = engine.add_request(prompt_ids(n, seed=9), engine.sampling_params(temperature=0, max_tokens=1))
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine.step()
+            with record_function("engine.step"):
+                engine.step()
             torch.cuda.synchronize()
         assert seq.finished
         out[n] = {"prefill_ms": ms, **gaps(prof)}
+        graphed = [t for t in engine.runner.prefill_graphs if t >= n]
+        if graphed:  # the device time of the step's graph alone, replayed on the inputs it holds
+            graph = engine.runner.prefill_graphs[min(graphed)][0]
+            out[n]["graph_replay_ms"] = cuda_ms(graph.replay, iters=5, warmup=1)
         if args.trace_dir:
             prof.export_chrome_trace(str(Path(args.trace_dir) / f"prefill_{n}.json"))
-    out["sustained"] = sustained(engine)
+    if not args.no_sustained:
+        out["sustained"] = sustained(engine)
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text)
     for n in map(int, args.lengths.split(",")):
         r = out[n]
         print(f"prefill {n}: {r['prefill_ms']:.2f} ms; profiled step: kernels {r['kernel_ms']:.2f} ms, device idle "
-              f"{r['idle_ms']:.2f} ms in {r['idle_count']} gaps, span {r['span_ms']:.2f} ms")
-    print(json.dumps(out["sustained"]))
+              f"{r['idle_ms']:.2f} ms in {r['idle_count']} gaps, span {r['span_ms']:.2f} ms; host before the "
+              f"first kernel {r['host_before_first_kernel_ms']:.2f} ms, after the last {r['host_after_last_kernel_ms']:.2f}; "
+              f"graph alone {r.get('graph_replay_ms', float('nan')):.2f} ms")
+    if "sustained" in out:
+        print(json.dumps(out["sustained"]))
 
 
 if __name__ == "__main__":
