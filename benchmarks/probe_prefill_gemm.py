@@ -1,15 +1,17 @@
-"""Prefill's products through the persistent Triton GEMM with fused epilogues (llm_anatomy/kernels/matmul.py)
-against what the engine runs now (cuBLAS and the elementwise kernels after it), at Qwen3-8B's shapes in bf16.
+"""Prefill's products through the persistent Triton GEMM (llm_anatomy/kernels/matmul.py) against cuBLAS, at
+Qwen3-8B's shapes in bf16: the plain products (qkv, o_proj, down, and gate_up alone as gate_up_product), and gate_up
+with SiLU*up in the kernel's epilogue against cuBLAS followed by silu_mul, as the engine ran it before.
 
-A layer's prefill now runs: qkv, o_proj, [residual add + RMSNorm], gate_up, SiLU*up, down, [residual add + RMSNorm].
-The fused kernels would run: qkv, o_proj + residual add, [RMSNorm], gate_up with SiLU*up, down + residual add,
-[RMSNorm]. Each part is timed as a CUDA graph of LAYERS calls, each on its own weights (as in a forward, where
-no weight is in L2), over several interleaved rounds; then the two layers are summed from their parts'
-medians (the best tile of each shape for the fused one) and multiplied by 36.
+Each part is timed as a CUDA graph of LAYERS calls, each on its own weights (as in a forward, where no weight is in
+L2), over several interleaved rounds, for every candidate tile; the layer's four parts are then summed, cuBLAS's
+against the best of each, and multiplied by 36.
 
 Section engine: the engine's prefill (synthetic Qwen3-8B, eager: the prefill graphs hidden) with its gated
-product through the Triton kernel (kernels/matmul.py, from GATED_MIN_ROWS rows) and through cuBLAS + silu_mul,
-interleaved over rounds on one engine.
+product through the Triton kernel (from GATED_MIN_ROWS rows) and through cuBLAS + silu_mul, interleaved over
+rounds on one engine.
+
+An epilogue adding the product into the residual stream (o_proj, down; then RMSNorm without its add) was measured
+with this probe at commit 28ad9bc and lost (results/2026-11-30_probe_prefill_gemm_run2_interleaved.json).
 
     python3 benchmarks/probe_prefill_gemm.py --out $OUT/prefill_gemm.json
 """
@@ -26,7 +28,6 @@ import torch
 
 from bench_h200 import cuda_ms, make_engine, names_from, one_prefill_ms, positive_int
 from llm_anatomy.kernels import matmul as matmul_module
-from llm_anatomy.kernels import norm
 from llm_anatomy.kernels.activation import silu_mul
 from llm_anatomy.kernels.matmul import GemmTile, matmul
 
@@ -38,10 +39,9 @@ PLAIN_TILES = [GemmTile(*t) for t in ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8)
 # BN is per half: a gated tile multiplies 2 x BN weight rows (gate and up)
 GATED_TILES = [GemmTile(*t) for t in ((128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 8),
                                       (128, 64, 64, 4, 4), (256, 64, 64, 3, 8), (128, 128, 64, 3, 8, 16))]
-# part -> (weight rows, K, gated, residual). gate_up_product: the plain product alone, both ways (no SiLU).
-PARTS = {"qkv": (QKV, HIDDEN, False, False), "o": (HIDDEN, HIDDEN, False, True),
-         "gate_up": (2 * INTER, HIDDEN, True, False), "down": (HIDDEN, INTER, False, True),
-         "gate_up_product": (2 * INTER, HIDDEN, False, False)}
+# part -> (weight rows, K, gated)
+PARTS = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False), "gate_up": (2 * INTER, HIDDEN, True),
+         "down": (HIDDEN, INTER, False), "gate_up_product": (2 * INTER, HIDDEN, False)}
 LAYER_PARTS = ("qkv", "o", "gate_up", "down")
 
 
@@ -59,15 +59,12 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
 
 
 def part_variants(name: str, tokens: int, g: torch.Generator) -> tuple[dict, dict]:
-    """{variant: zero-argument function running LAYERS calls}, {variant: relative error against the unfused
-    path on the first weight}."""
-    rows, k, gated, residual = PARTS[name]
+    """{variant: zero-argument function running LAYERS calls}, {tile: relative error against cuBLAS (+ silu_mul)
+    on the first weight, or why the tile could not run}."""
+    rows, k, gated = PARTS[name]
     dev = torch.device("cuda")
     x = torch.randn(tokens, k, generator=g, device=dev).bfloat16()
     ws = [(torch.randn(rows, k, generator=g, device=dev) / k ** 0.5).bfloat16() for _ in range(LAYERS)]
-    n_out = rows // 2 if gated else rows
-    res = torch.randn(tokens, n_out, generator=g, device=dev).bfloat16()
-    norm_w = torch.ones(n_out, device=dev, dtype=torch.bfloat16)
     prod = torch.empty(tokens, rows, dtype=torch.bfloat16, device=dev)
 
     def unfused():
@@ -75,22 +72,16 @@ def part_variants(name: str, tokens: int, g: torch.Generator) -> tuple[dict, dic
             torch.mm(x, w.t(), out=prod)
             if gated:
                 silu_mul(prod)
-            elif residual:
-                norm.rmsnorm(prod, norm_w, 1e-6, residual=res)
     variants = {"cublas": unfused}
-    # the reference: the unfused path's output on the first weight
-    r0 = res.clone()
     ref = torch.mm(x, ws[0].t())
-    ref = silu_mul(ref) if gated else (ref + r0 if residual else ref)
+    ref = silu_mul(ref) if gated else ref
     errors = {}
     for tile in GATED_TILES if gated else PLAIN_TILES:
         def fused(tile=tile):
             for w in ws:
-                matmul(x, w, tile, gated=gated, residual=res if residual else None)
-                if residual:
-                    norm.rmsnorm(res, norm_w, 1e-6)
+                matmul(x, w, tile, gated=gated)
         try:
-            y = matmul(x, ws[0], tile, gated=gated, residual=r0.clone() if residual else None)
+            y = matmul(x, ws[0], tile, gated=gated)
             torch.cuda.synchronize()
         except Exception as e:  # a tile that does not fit in shared memory
             errors[str(tile)] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -142,7 +133,7 @@ def main(argv=None):
                     times[v].append(cuda_ms(graph.replay, iters=5, warmup=1) / LAYERS)
             med = {v: statistics.median(t) for v, t in times.items()}
             best = min((v for v in med if v != "cublas"), key=med.get, default=None)
-            rows, k, gated, _ = PARTS[name]
+            rows, k, gated = PARTS[name]
             flops = 2 * tokens * rows * k
             out["results"][f"{name} {tokens}"] = {
                 "ms": med, "spread_ms": {v: max(t) - min(t) for v, t in times.items()},
@@ -151,14 +142,14 @@ def main(argv=None):
                 summary[name] = (med["cublas"], med[best] if best else None)
             del graphs
             torch.cuda.empty_cache()
-            print(f"{tokens:5d} {name:8s} cublas+unfused {med['cublas'] * 1e3:8.1f} us | best {best} "
+            print(f"{tokens:5d} {name:15s} cublas {med['cublas'] * 1e3:8.1f} us | best {best} "
                   f"{med[best] * 1e3 if best else float('nan'):8.1f} us | err {errors.get(best)}", flush=True)
         if len(summary) == len(LAYER_PARTS):
             now = sum(a for a, _ in summary.values()) * LAYERS_8B
             fused = sum(min(a, b or a) for a, b in summary.values()) * LAYERS_8B
-            out["results"][f"layers {tokens}"] = {"now_ms": now, "best_mix_ms": fused}
-            print(f"{tokens:5d} 36 layers' products and their elementwise neighbours: now {now:.2f} ms, "
-                  f"best mix {fused:.2f} ms", flush=True)
+            out["results"][f"layers {tokens}"] = {"cublas_ms": now, "best_of_each_ms": fused}
+            print(f"{tokens:5d} 36 layers' products (and SiLU*up): cuBLAS {now:.2f} ms, the best of each "
+                  f"{fused:.2f} ms", flush=True)
     if args.engine_tokens:
         out["engine"] = engine_prefills(list(map(int, args.engine_tokens)), args.rounds)
     if args.out:

@@ -94,7 +94,13 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
     overlap, blas = probes("probe_gemv_overlap"), probes("probe_blas")
     persistent, fused, spacer = probes("probe_persistent_mlp"), probes("probe_fused_mlp"), probes("probe_spacer")
     layout, stream_mlp, step = probes("probe_kv_layout"), probes("probe_stream_mlp"), probes("probe_decode_step")
+    early, prefill_gemm = probes("probe_early_launch"), probes("probe_prefill_gemm")
     for main, argv, message in (
+            (early.main, ["--variants", "gemv,nope"], "unknown variant nope"),
+            (early.main, ["--contexts", "1000"], "unknown context 1000; pick from 512,32768"),
+            (prefill_gemm.main, ["--tokens", "3000"], "unknown token count 3000"),
+            (prefill_gemm.main, ["--parts", "qkv,lm_head"], "unknown part lm_head"),
+            (prefill_gemm.main, ["--engine-tokens", "512"], "unknown token count 512"),
             (step.main, ["--contexts", "512,40000"], "at most 33280 tokens"),
             (step.main, ["--contexts", "0"], "positive token counts"),
             (step.main, ["--skips", "1,4"], "unknown skip 4; pick from 1,2,3"),
@@ -115,6 +121,22 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_early_launch_clones_compute_what_the_kernels_do_and_are_put_back(kernel_device, probes):
+    """The probe's variants swap each kernel family for a clone with gdc_enter's halves in either order (PDL is
+    off here, so the order cannot show): the norm's output is the same, and the engine's kernels return after."""
+    early = probes("probe_early_launch")
+    from llm_anatomy.kernels import gemv, norm
+
+    kernels = (norm._rmsnorm_kernel, gemv._gemv_kernel)
+    x, w = torch.randn(3, 64, device=kernel_device), torch.randn(64, device=kernel_device)
+    clones = {}
+    with early.early(["gemv"], clones):
+        assert norm._rmsnorm_kernel is clones["norm", False] and gemv._gemv_kernel is clones["gemv", True]
+        y = norm.rmsnorm(x, w, 1e-6)
+    assert (norm._rmsnorm_kernel, gemv._gemv_kernel) == kernels
+    assert torch.equal(y, norm.rmsnorm(x, w, 1e-6))
 
 
 def test_overlap_probes_gemv_variants_compute_the_same_product(kernel_device, probes, monkeypatch):

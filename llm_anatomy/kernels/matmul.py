@@ -1,16 +1,14 @@
-"""Prefill's matrix products (many rows of activations times a weight), with their neighbours fused in.
+"""Prefill's gate_up product with SiLU(gate) * up in its epilogue, so that the [rows, 2 x intermediate] product
+never reaches memory (silu_mul reads it back and writes half of it again: pure memory traffic).
 
-cuBLAS runs a plain product as fast as anything here can, but two of the elementwise passes around the layer's
-products are pure memory traffic at prefill sizes: SiLU(gate) * up reads the 2 x intermediate gate_up output
-and writes half of it again, and the residual add before each RMSNorm reads and writes the residual stream.
-This kernel is a persistent, TMA-fed Triton GEMM (one program per multiprocessor walking output tiles) whose
-epilogue can do either while the tile is still in registers:
-- `gated`: the weight is gate_up = [gate; up]; each TMA load brings a block of gate rows and the matching block
-  of up rows (a [2, BN, BK] box of the weight seen as [2, N, K]), so that one [BM, 2 BN] product holds matching
-  tiles of both and the program writes SiLU(gate) * up: the [rows, 2 x intermediate] product never reaches
-  memory;
-- `residual`: the product is added to the residual stream, in place, rounded as HF rounds (the product to the
-  model dtype first, then the sum).
+A persistent, TMA-fed Triton GEMM: one program per multiprocessor walks the output tiles. With `gated`, each TMA
+load brings a block of gate rows and the matching block of up rows (a [2, BN, BK] box of the weight seen as
+[2, N, K]), so one [BM, 2 BN] product holds matching tiles of both; the epilogue splits it and rounds as HF does.
+
+On the H200 (benchmarks/probe_prefill_gemm.py) the plain product at best ties cuBLAS, so only the gated one is
+used: it beats cuBLAS + silu_mul by 2-3 %. Triton 3.6 does not warp-specialize on Hopper (the loop's attribute
+is accepted and leaves no trace in the compiled kernel), and an epilogue adding the residual stream, measured in
+commit 28ad9bc, lost to cuBLAS and the fused add + RMSNorm kernel.
 """
 
 from __future__ import annotations
@@ -57,9 +55,9 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # M is the prompt's length: one compile serves every length
-def _matmul_kernel(a_desc, b_desc, c_desc, r_desc, M, N, K,
+def _matmul_kernel(a_desc, b_desc, c_desc, M, N, K,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                   NUM_SMS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
+                   NUM_SMS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
                    USE_PDL: tl.constexpr):
     gdc_enter(USE_PDL)
     BW: tl.constexpr = 2 * BN if GATED else BN  # weight rows per tile: gated, BN of gate then BN of up
@@ -91,14 +89,12 @@ def _matmul_kernel(a_desc, b_desc, c_desc, r_desc, M, N, K,
             out = (s.to(tl.float32) * up.to(c_desc.dtype).to(tl.float32)).to(c_desc.dtype)
         else:
             out = acc.to(c_desc.dtype)
-        if RESIDUAL:
-            out = (out.to(tl.float32) + r_desc.load([off_m, off_n]).to(tl.float32)).to(c_desc.dtype)
         c_desc.store([off_m, off_n], out)
 
 
-# The engine's tile for prefill's gated product (gate_up with SiLU*up), and the fewest rows it is used from: the
-# best of the tiles tried on the H200 at 2048 and 8192 tokens (benchmarks/probe_prefill_gemm.py, 2026-11-30):
-# 617 against cuBLAS + silu_mul's 623 us a layer at 2048, 2464-2490 against 2570 at 8192.
+# The engine's tile for prefill's gated product, and the fewest rows it is used from: on the H200 (Qwen3-8B,
+# benchmarks/probe_prefill_gemm.py, 2026-11-30) 319 / 635 / 1266 / 2547 us a layer at 1024 / 2048 / 4096 / 8192
+# tokens against cuBLAS + silu_mul's 328 / 646 / 1298 / 2597; below 1024 rows it was not measured.
 GATED_TILE = GemmTile(128, 128, 64, 3, 8, 16)
 GATED_MIN_ROWS = 1024
 
@@ -112,16 +108,14 @@ def supports_gated(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[1] % 8 == 0 and x.is_contiguous() and weight.is_contiguous())
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, tile: GemmTile, gated: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T. gated: weight is [gate; up] (2I rows) and the result SiLU(gate) * up [M, I].
-    residual [M, N]: the result is added into it in place, and it is returned."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, tile: GemmTile, gated: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T; gated: weight is [gate; up] (2I rows) and the result SiLU(gate) * up [M, I]."""
     M, K = x.shape
     rows = weight.shape[0]
     N = rows // 2 if gated else rows
     if gated and N % tile.bn:
         raise ValueError(f"gated matmul: the intermediate size {N} is not a multiple of the tile's {tile.bn}")
-    out = residual if residual is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     a = TensorDescriptor.from_tensor(x, [tile.bm, tile.bk])
     if gated:  # [gate; up] seen as [2, N, K]
         w3 = weight.view(2, N, K)
@@ -132,19 +126,16 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, tile: GemmTile, gated: bool = 
     sms = sm_count(x.device)
     tiles = triton.cdiv(M, tile.bm) * triton.cdiv(N, tile.bn)
     _matmul_kernel[(min(sms, tiles),)](
-        a, b, c, c, M, N, K, BM=tile.bm, BN=tile.bn, BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=sms,
-        GATED=gated, RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
+        a, b, c, M, N, K, BM=tile.bm, BN=tile.bn, BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=sms,
+        GATED=gated, IEEE=x.dtype == torch.float32,
         USE_PDL=PDL.on, launch_pdl=PDL.on,
         num_warps=tile.warps, num_stages=tile.stages)
     return out
 
 
-def matmul_reference(x, weight, gated=False, residual=None):
+def matmul_reference(x, weight, gated=False):
     y = x @ weight.T
     if gated:
         gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
-    if residual is not None:
-        residual.copy_(y + residual)
-        return residual
     return y
