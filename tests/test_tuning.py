@@ -4,6 +4,7 @@ captured decode step's (tests/test_gpu.py)."""
 
 import dataclasses
 import json
+from unittest import mock
 
 import pytest
 
@@ -11,7 +12,7 @@ pytest.importorskip("triton")
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from llm_anatomy.engine.tuning import cached_tiles, coordinate_descent, tune_tiles  # noqa: E402
+from llm_anatomy.engine.tuning import cached_tiles, coordinate_descent, kernels_digest, tune_tiles  # noqa: E402
 from llm_anatomy.kernels.gemv import CANDIDATE_TILES, Tile, prefetch_variants  # noqa: E402
 
 QKV, DOWN = (6144, 4096, False, "bfloat16"), (4096, 12288, False, "bfloat16")
@@ -74,6 +75,10 @@ def test_tuned_tiles_are_cached_per_device_and_pdl(tmp_path):
     assert tune_tiles([QKV], tiles, fake_step(tiles, calls), device.replace("H200", "H100"), True,
                       tmp_path, CANDIDATES).source == "tuned"
 
+    tiles, calls = {}, []  # after a change to the step's kernels, tuned again
+    with mock.patch("llm_anatomy.engine.tuning.kernels_digest", return_value="another"):
+        assert tune_tiles([QKV], tiles, fake_step(tiles, calls), device, True, tmp_path, CANDIDATES).source == "tuned"
+
     tiles, calls = {}, []  # a new shape tunes that shape only; the others come from the cache
     new = (151936, 4096, False, "bfloat16")
     third = tune_tiles([new, QKV], tiles, fake_step(tiles, calls), device, True, tmp_path, CANDIDATES)
@@ -86,7 +91,7 @@ def test_a_damaged_or_foreign_cache_entry_is_not_used(tmp_path):
     path.write_text("{not json")
     assert cached_tiles(device, True, [QKV], tmp_path, CANDIDATES) == {}
     entry = {"6144x4096 bfloat16": [32, 256, 4, 4, 1], "4096x12288 bfloat16": [32, 1024, 4, 4, 0]}  # not a candidate
-    key = f"{device} | triton {_triton()} | pdl on"
+    key = f"{device} | triton {_triton()} | kernels {kernels_digest()} | pdl on"
     path.write_text(json.dumps({"format": 2, "entries": {key: entry}}))
     assert cached_tiles(device, True, [QKV, DOWN], tmp_path, CANDIDATES) == {QKV: Tile(32, 256, 4, 4, prefetch=1)}
     # a string, no such prefetch, too short

@@ -6,7 +6,9 @@ picks varied from process to process and cost the Qwen3-8B step up to 0.58 ms on
 tuned by coordinate descent on the real thing: for each candidate tile, the batch-1 decode step is captured
 and replayed, and the fastest step wins; then the winner with weights read ahead of the PDL wait
 (gemv.prefetch_variants) is tried. Shapes go largest first, each tuned with the others at their best so far.
-The choice is stored per GPU model, CUDA, torch and Triton version, and a later start-up reads it back.
+The choice is stored per GPU model, CUDA, torch and Triton version and per version of the step's kernels (their
+source: a change to any of them, such as when each lets the next launch, moves the best tiles), and a later
+start-up reads it back.
 """
 
 from __future__ import annotations
@@ -79,10 +81,23 @@ def device_tag(device) -> str:
     return f"{torch.cuda.get_device_name(device)} | cuda {torch.version.cuda} | torch {torch.__version__}"
 
 
+def kernels_digest() -> str:
+    """A digest of the source of the decode step's kernel modules."""
+    import hashlib
+    from pathlib import Path
+
+    from ..kernels import decode_attention, gemv, norm, pdl, rope
+
+    digest = hashlib.sha256()
+    for module in (gemv, decode_attention, norm, rope, pdl):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _cache_key(device: str, pdl: bool) -> str:
     import triton
 
-    return f"{device} | triton {triton.__version__} | pdl {'on' if pdl else 'off'}"
+    return f"{device} | triton {triton.__version__} | kernels {kernels_digest()} | pdl {'on' if pdl else 'off'}"
 
 
 def _entry_key(key: tuple) -> str:
