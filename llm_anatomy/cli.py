@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:  # the frozen heap (settle_heap) back to the collector, so that exit frees it: Triton's bindings
+        gc.unfreeze()  # report every object of theirs still alive then, ~30 lines after the run
 
 
 if __name__ == "__main__":

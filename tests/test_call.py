@@ -130,16 +130,17 @@ def run_cli(capsys, *argv):
 
 def test_cli_call_writes_json_html_trace(tiny, tmp_path, capsys):
     import gc
+    from unittest import mock
 
+    frozen, freeze = [], gc.freeze
     gc.unfreeze()
-    try:
+    with mock.patch.object(gc, "freeze", lambda: (freeze(), frozen.append(gc.get_freeze_count()))):
         code, out, err = run_cli(capsys, "call", "Hi <script>alert(1)</script>", "--model", str(tiny), "--device",
                                  "cpu", "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--no-calibrate",
                                  "--json", str(tmp_path / "a.json"), "--html", str(tmp_path / "a.html"),
                                  "--trace", str(tmp_path / "a.trace.json"), "--kernels")
-        assert gc.get_freeze_count() > 0  # start-up's heap is kept out of collections during the call
-    finally:
-        gc.unfreeze()  # the rest of the test session collects as usual
+    assert frozen and frozen[0] > 0  # start-up's heap is kept out of collections during the call
+    assert gc.get_freeze_count() == 0  # and given back after it, so that exit frees it
     assert code == 0, err
     a = Anatomy.from_json((tmp_path / "a.json").read_text())
     assert len(a.output_token_ids) == 6 and "<script>alert(1)</script>" in a.prompt_text
