@@ -6,12 +6,12 @@ visible (griddepcontrol.wait), then lets the next kernel launch early (griddepco
 Semantics are those of ordinary stream order; only the launch latency overlaps. Off under the interpreter
 and on GPUs before compute capability 9.0.
 
-With `launch_first`, a kernel lets the next launch before it waits, so the next one's programs are already
+With LAUNCH_FIRST, a kernel lets the next launch before it waits, so the next one's programs are already
 resident (themselves waiting) when this one ends. Still ordinary stream order: each kernel waits for the one
 before, which waited for its own. On the H200 (Qwen3-8B batch-1 decode step, benchmarks/probe_early_launch.py)
-this paid for the GEMVs (whose successors are small kernels) and the decode attention's split kernel, about
-0.03 ms a step at 512 tokens and at 32k, and cost 0.6 ms when given to the norms (the GEMV after a norm then
-launches while the GEMV before the norm still streams) or 0.02 ms at 32k when given to QK-norm/RoPE.
+this paid for the GEMVs (whose successors are small kernels) and the decode attention's split kernel, 0.015-0.03
+ms a step at 512 tokens and at 32k, and cost 0.6 ms when given to the norms (the GEMV after a norm then launches
+while the GEMV before the norm still streams) or 0.05 ms at 32k when given to QK-norm/RoPE.
 """
 
 import os
