@@ -37,7 +37,7 @@ def split_only(q, k_cache, v_cache, tables, lens, scale, splits=None, block_n=No
     da._decode_attention_split_kernel[(batch, n_kv, splits)](
         q, k_cache, v_cache, tables, lens, acc, ml, scale, q.stride(0), q.stride(1), tables.stride(0), n_kv, page,
         splits, GROUP=n_heads // n_kv, GROUP_PAD=max(16, triton.next_power_of_2(n_heads // n_kv)), HEAD_DIM=head_dim,
-        BLOCK_N=block_n, IEEE=False, INTERPRET=False, USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=da.NUM_WARPS,
+        BLOCK_N=block_n, IEEE=False, USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=da.NUM_WARPS,
         num_stages=da.NUM_STAGES)
     return q
 

@@ -36,8 +36,9 @@ def use_kernels(device) -> bool:
 
 def _interpreter_index_fix() -> None:
     """Triton 3.6's interpreter makes a loop bound an int with int(array), which NumPy >= 2.3 refuses for the
-    one-element arrays that program ids are; the persistent GEMM ranges from its program id. Patch that one
-    conversion (the interpreter re-applies its patches at every launch, so wrap the function that does)."""
+    one-element arrays that program ids and loaded scalars are; the persistent GEMM ranges from its program id,
+    the decode attention over a loaded context length. Patch that one conversion (the interpreter re-applies its
+    patches at every launch, so wrap the function that does)."""
     from triton.runtime import interpreter
 
     original = interpreter._patch_lang_tensor

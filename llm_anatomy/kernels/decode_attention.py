@@ -11,8 +11,6 @@ was slower on the H200: 15 us a layer against 7.4 for the two kernels, its merge
 loads. benchmarks/results/2026-11-29_bench_run3.json, section attn.)
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +18,6 @@ import triton.language as tl
 from . import sm_count
 from .pdl import PDL, gdc_enter
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tile and pipelining: the best of benchmarks/bench_h200.py's section attn at 32k context on the H200
 # (at 512 tokens all configs were within 10%). Any config is correct.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
@@ -67,7 +64,7 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
 def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
                   stride_qb, stride_qh, stride_tb, stride_slot, stride_head, n_kv_heads, page_size, splits,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                  IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -88,16 +85,9 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if INTERPRET:  # the interpreter cannot take loaded values as range() bounds
-        n0 = start
-        while n0 < end:
-            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
-                                     stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
-            n0 += BLOCK_N
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
-                                     stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
+    for n0 in range(start, end, BLOCK_N):
+        m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
+                                 stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
     # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
     base = (b * n_kv_heads * GROUP + heads) * splits + s
     tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
@@ -151,7 +141,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
         USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
