@@ -58,6 +58,16 @@ def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    """fn run once (compiles, allocates), then captured in a CUDA graph."""
+    fn()
+    sync()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def prompt_ids(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 151643, (n,), generator=g).tolist()

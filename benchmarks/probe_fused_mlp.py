@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_h200 import cuda_ms
+from bench_h200 import cuda_ms, graph_of
 from llm_anatomy.kernels import gemv as gemv_module, norm
 from llm_anatomy.kernels.pdl import PDL, gdc_enter
 from probe_persistent_mlp import HIDDEN, mlp_probe_args, mlp_weights, use_tiles
@@ -139,18 +139,10 @@ def main(argv=None):
     nbytes = (gate_up.numel() + down.numel()) * 2
     out = {"layers": args.layers, "gb": nbytes / 1e9, "variants": {}}
 
-    def capture(fn):
-        fn()  # compiles
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph
-
     residual = res0.clone()
     ref = layers_kernels(x0, residual, gate_up[:2], down[:2], norm_w)
     ref_res = residual.clone()
-    graphs = {"kernels": capture(lambda: layers_kernels(x0, residual, gate_up, down, norm_w))}
+    graphs = {"kernels": graph_of(lambda: layers_kernels(x0, residual, gate_up, down, norm_w))}
     for name, tile in TILES.items():
         try:
             residual.copy_(res0)
@@ -165,9 +157,9 @@ def main(argv=None):
             "rel_err_vs_kernels_2_layers": ((y.float() - ref.float()).norm() / ref.float().norm()).item(),
             "residual_rel_err": ((residual.float() - ref_res.float()).norm() / ref_res.float().norm()).item(),
             "acc_left_zero": bool((acc == 0).all().item()), **tile}
-        graphs[name] = capture(lambda tile=tile: layers_fused(x0, residual, gate_up, down_t, norm_w, acc, tile))
+        graphs[name] = graph_of(lambda tile=tile: layers_fused(x0, residual, gate_up, down_t, norm_w, acc, tile))
         if name in ("r32_k256_h256_w4_s3", "r64_k128_h256_w4_s3"):
-            graphs[name + "_store"] = capture(
+            graphs[name + "_store"] = graph_of(
                 lambda tile=tile: layers_fused(x0, residual, gate_up, down_t, norm_w, acc, tile, atomic=False))
     times = {name: [] for name in graphs}
     for _ in range(args.rounds):

@@ -26,7 +26,7 @@ from unittest import mock
 
 import torch
 
-from bench_h200 import cuda_ms, make_engine, names_from, one_prefill_ms, positive_int
+from bench_h200 import cuda_ms, graph_of, make_engine, names_from, one_prefill_ms, positive_int
 from llm_anatomy.kernels import matmul as matmul_module
 from llm_anatomy.kernels.activation import silu_mul
 from llm_anatomy.kernels.matmul import GemmTile, matmul
@@ -47,15 +47,6 @@ LAYER_PARTS = ("qkv", "o", "gate_up", "down")
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def part_variants(name: str, tokens: int, g: torch.Generator) -> tuple[dict, dict]:
