@@ -234,7 +234,7 @@ def test_fast_path_logit_bias_and_seeded_sampling(save_tiny):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_matmul_plain_gated_and_with_residual(dtype):
+def test_prefill_matmul_plain_and_gated(dtype):
     """The persistent prefill GEMM: 70 rows (not a multiple of the tile's: TMA pads the loads and clips the
     stores), several K tiles, more output tiles than programs; plain and with SiLU*up in its epilogue."""
     from llm_anatomy.kernels.matmul import GemmTile, matmul, matmul_reference
@@ -247,6 +247,38 @@ def test_prefill_matmul_plain_gated_and_with_residual(dtype):
     assert rel(matmul_reference(x.float(), w.float(), gated=True), silu_mul_reference(ref)) < 1e-6
     with pytest.raises(ValueError, match="multiple of the tile"):
         matmul(x, w[:200], tile, gated=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_prefill_qkv_product_with_rope_epilogue_equals_product_then_rope_kernel(dtype, qk_norm):
+    """The qkv GEMM with QK-norm, RoPE and the KV store in its epilogue against cuBLAS + qk_norm_rope_store: q, k, v
+    and the cache (slots in any order, one -1 that stores nothing); 70 rows, tiles of one head and of two."""
+    from llm_anatomy.kernels.matmul import GemmTile, qkv_rope
+
+    heads, kv_heads, d, k_dim, rows = 4, 2, 32, 64, 70
+    x, w = rand(rows, k_dim, dtype=dtype), rand((heads + 2 * kv_heads) * d, k_dim, seed=1, dtype=dtype) / 8
+    norms = (1 + 0.1 * rand(d, seed=2, dtype=dtype), 1 + 0.1 * rand(d, seed=3, dtype=dtype), 1e-6) if qk_norm \
+        else (None, None, 0.0)
+    g = torch.Generator().manual_seed(4)
+    pos = torch.randint(0, 500, (rows,), generator=g).to(DEVICE)
+    cos, sin = rand(512, d // 2, seed=5), rand(512, d // 2, seed=6)
+    slots = torch.randperm(160, generator=g)[:rows].to(DEVICE)
+    slots[5] = -1
+    caches = [[torch.zeros(40, 4, kv_heads, d, dtype=dtype, device=DEVICE) for _ in range(2)] for _ in range(2)]
+    ref = qk_norm_rope_store(F.linear(x, w), heads, kv_heads, d, *norms, cos, sin, pos, slots, *caches[0],
+                             kv_out=True)
+    tiles = [GemmTile(32, 32, 32, 2, 4), GemmTile(32, 64, 32, 2, 4)] if DEVICE.type == "cpu" else \
+        [GemmTile(64, 32, 64, 3, 4), GemmTile(64, 64, 64, 3, 4)]
+    for tile in tiles:
+        for c in caches[1]:
+            c.zero_()
+        got = qkv_rope(x, w, tile, heads, kv_heads, d, *norms, cos, sin, pos, slots, *caches[1])
+        for a, b in zip([*got, *caches[1]], [*ref, *caches[0]], strict=True):
+            assert a.shape == b.shape
+            assert rel(a, b) < TOL[dtype], tile
+    with pytest.raises(ValueError, match="whole heads"):
+        qkv_rope(x, w, GemmTile(32, 48, 32, 2, 4), heads, kv_heads, d, *norms, cos, sin, pos, slots, *caches[1])
 
 
 def test_prefill_gated_matmul_applies_to_long_bf16_prompts_on_hopper_only():
