@@ -1,7 +1,7 @@
 """Prefill's elementwise work moved into its products' epilogues, at Qwen3-8B's shapes in bf16 on the H200: the
 residual adds in cuBLAS's epilogue (qwen3.RESIDUAL_IN_GEMM) against the add fused into the norm after the
-product, and QK-norm + RoPE + the KV store in the Triton qkv GEMM's epilogue (matmul.qkv_rope) against cuBLAS
-and the kernel after it (rope.qk_norm_rope_store).
+product; at commit 5f0abdc also QK-norm + RoPE + the KV store in a Triton qkv GEMM's epilogue against cuBLAS and
+the kernel after it (rope.qk_norm_rope_store), slower and removed.
 
 Section residual: o_proj and down_proj (products that feed the residual stream), each followed by the RMSNorm that
 reads the stream, as a CUDA graph of LAYERS layers on their own weights, rounds interleaved:
@@ -10,13 +10,13 @@ reads the stream, as a CUDA graph of LAYERS layers on their own weights, rounds 
 - `addmm + norm`: residual.addmm_(x, W.T) (cuBLAS with beta = 1 reads the residual in its epilogue), then the
   norm alone (reads one tensor, writes one);
 - the products alone, both ways, for what the epilogue costs.
-And how far the two ways' residual and normed output are apart (the sum rounded once against twice).
+And how far the two ways' residual and normed output are apart, and from the float32 sum.
 
-Section qkv: the qkv product and QK-norm + RoPE + store, LAYERS layers in a graph, cuBLAS + the kernel against
-the fused GEMM at each candidate tile, rounds interleaved; and how far their q, k, v and cache are apart.
+Section qkv (at commit 5f0abdc, with the fused kernel; removed with it): the qkv product and QK-norm + RoPE +
+store, LAYERS layers in a graph, cuBLAS + the kernel against the fused GEMM at each candidate tile.
 
-Section engine: the engine's prefill, one engine, each way (neither fusion, the residual's, both) interleaved over
-rounds: at 2048 tokens through a CUDA graph captured for each way (as the engine replays it), at the --eager
+Section engine: the engine's prefill, one engine, each way (the residual's add in the norm or in cuBLAS)
+interleaved over rounds: at 2048 tokens through a CUDA graph captured for each way (as the engine replays it), at the --eager
 lengths eagerly; and the logits of one 2048-token prompt each way.
 
     python3 benchmarks/probe_prefill_fusions.py --out $OUT/prefill_fusions.json
@@ -27,24 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 from bench_h200 import cuda_ms, graph_of, make_engine, names_from, one_prefill_ms, positive_int, prompt_ids, rel
-from llm_anatomy.kernels import matmul as matmul_module
-from llm_anatomy.kernels.matmul import GemmTile, qkv_rope
 from llm_anatomy.kernels.norm import rmsnorm
-from llm_anatomy.kernels.rope import qk_norm_rope_store
 from llm_anatomy.models import qwen3
 from llm_anatomy.models.attention import AttentionBatch
 
 HIDDEN, INTER = 4096, 12288
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-QKV_TILES = [matmul_module.QKV_TILE] + [GemmTile(*t) for t in ((128, 256, 64, 3, 8, 8), (128, 128, 64, 4, 8, 16),
-                                                                (128, 128, 64, 4, 4, 16))]
 LAYERS = 8  # weights per graph: more than L2 holds
 PARTS = {"o_proj": HIDDEN, "down": INTER}  # K of each product; N is the hidden size
 EPS = 1e-6
@@ -100,47 +93,6 @@ def timed_graphs(variants: dict, rounds: int) -> dict:
     return {"us": {v: statistics.median(t) for v, t in times.items()}, "all_us": times}
 
 
-def section_qkv(tokens_list: list[int], rounds: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(1)
-    dev = torch.device("cuda")
-    out = {}
-    for tokens in tokens_list:
-        x = torch.randn(tokens, HIDDEN, generator=g, device=dev).bfloat16()
-        rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-        ws = [(torch.randn(rows, HIDDEN, generator=g, device=dev) / HIDDEN ** 0.5).bfloat16() for _ in range(LAYERS)]
-        qn, kn = ((1 + 0.1 * torch.randn(HEAD_DIM, generator=g, device=dev)).bfloat16() for _ in range(2))
-        angles = torch.outer(torch.arange(tokens, device=dev, dtype=torch.float32),
-                             1e6 ** (-torch.arange(0, HEAD_DIM, 2, device=dev) / HEAD_DIM))
-        cos, sin = angles.cos(), angles.sin()
-        pos = torch.arange(tokens, device=dev)
-        slots = torch.randperm(tokens, generator=g, device=dev)  # pages in any order
-        caches = [torch.zeros(2, tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev) for _ in range(2)]
-        prod = torch.empty(tokens, rows, dtype=torch.bfloat16, device=dev)
-        args = lambda c: (HEADS, KV_HEADS, HEAD_DIM, qn, kn, 1e-6, cos, sin, pos, slots, c[0], c[1])  # noqa: E731
-
-        def unfused():
-            for w in ws:
-                torch.mm(x, w.t(), out=prod)
-                qk_norm_rope_store(prod, *args(caches[0]), kv_out=True)
-        variants = {"cublas + rope kernel": unfused}
-        ref = qk_norm_rope_store(torch.mm(x, ws[0].t()), *args(caches[0]), kv_out=True)
-        errors = {}
-        for tile in QKV_TILES:
-            def fused(tile=tile):
-                for w in ws:
-                    qkv_rope(x, w, tile, *args(caches[1]))
-            got = qkv_rope(x, ws[0], tile, *args(caches[1]))
-            errors[str(tile)] = {name: rel(a, b) for name, a, b in zip("qkv", got, ref)} | {
-                "k cache": rel(caches[1][0], caches[0][0]), "v cache": rel(caches[1][1], caches[0][1]),
-                "max_abs": max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))}
-            variants[str(tile)] = fused
-        res = timed_graphs(variants, rounds)
-        out[tokens] = res | {"errors": errors}
-        print(f"{tokens:5d} qkv " + " | ".join(f"{v} {m:7.1f} us" for v, m in res["us"].items()), flush=True)
-        print(f"      errors against cuBLAS + the kernel: {errors[str(matmul_module.QKV_TILE)]}", flush=True)
-    return out
-
-
 def section_residual(tokens_list: list[int], rounds: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     out = {}
@@ -154,17 +106,11 @@ def section_residual(tokens_list: list[int], rounds: int) -> dict:
     return out
 
 
-# way -> (qwen3.RESIDUAL_IN_GEMM, matmul.QKV_MIN_ROWS)
-WAYS = {"neither": (False, 1 << 62), "residual": (True, 1 << 62),
-        "residual + qkv": (True, matmul_module.QKV_MIN_ROWS)}
+WAYS = {"neither": False, "residual": True}  # way -> qwen3.RESIDUAL_IN_GEMM
 
 
-@contextmanager
 def as_way(way: str):
-    residual, qkv_min_rows = WAYS[way]
-    with mock.patch.object(qwen3, "RESIDUAL_IN_GEMM", residual), \
-            mock.patch.object(matmul_module, "QKV_MIN_ROWS", qkv_min_rows):
-        yield
+    return mock.patch.object(qwen3, "RESIDUAL_IN_GEMM", WAYS[way])
 
 
 def prefill_graph(runner, tokens: int):
@@ -228,13 +174,12 @@ def main(argv=None):
     parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--tokens", type=names_from(["512", "2048", "8192"], "token count"), default=["2048", "8192"])
     parser.add_argument("--eager", type=names_from(["4096", "8192"], "token count"), default=["8192"])
-    parser.add_argument("--sections", type=names_from(["qkv", "residual", "engine"], "section"),
-                        default=["qkv", "residual", "engine"])
+    parser.add_argument("--sections", type=names_from(["residual", "engine"], "section"),
+                        default=["residual", "engine"])
     args = parser.parse_args(argv)
     out = {"torch": torch.__version__, "layers_per_graph": LAYERS}
-    for name, section in (("qkv", section_qkv), ("residual", section_residual)):
-        if name in args.sections:
-            out[name] = section(list(map(int, args.tokens)), args.rounds)
+    if "residual" in args.sections:
+        out["residual"] = section_residual(list(map(int, args.tokens)), args.rounds)
     if "engine" in args.sections:
         out["engine"] = section_engine(2048, list(map(int, args.eager)), args.rounds)
     if args.out:

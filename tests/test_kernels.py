@@ -249,38 +249,6 @@ def test_prefill_matmul_plain_and_gated(dtype):
         matmul(x, w[:200], tile, gated=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("qk_norm", [True, False])
-def test_prefill_qkv_product_with_rope_epilogue_equals_product_then_rope_kernel(dtype, qk_norm):
-    """The qkv GEMM with QK-norm, RoPE and the KV store in its epilogue against cuBLAS + qk_norm_rope_store: q, k, v
-    and the cache (slots in any order, one -1 that stores nothing); 70 rows, tiles of one head and of two."""
-    from llm_anatomy.kernels.matmul import GemmTile, qkv_rope
-
-    heads, kv_heads, d, k_dim, rows = 4, 2, 32, 64, 70
-    x, w = rand(rows, k_dim, dtype=dtype), rand((heads + 2 * kv_heads) * d, k_dim, seed=1, dtype=dtype) / 8
-    norms = (1 + 0.1 * rand(d, seed=2, dtype=dtype), 1 + 0.1 * rand(d, seed=3, dtype=dtype), 1e-6) if qk_norm \
-        else (None, None, 0.0)
-    g = torch.Generator().manual_seed(4)
-    pos = torch.randint(0, 500, (rows,), generator=g).to(DEVICE)
-    cos, sin = rand(512, d // 2, seed=5), rand(512, d // 2, seed=6)
-    slots = torch.randperm(160, generator=g)[:rows].to(DEVICE)
-    slots[5] = -1
-    caches = [[torch.zeros(40, 4, kv_heads, d, dtype=dtype, device=DEVICE) for _ in range(2)] for _ in range(2)]
-    ref = qk_norm_rope_store(F.linear(x, w), heads, kv_heads, d, *norms, cos, sin, pos, slots, *caches[0],
-                             kv_out=True)
-    tiles = [GemmTile(32, 32, 32, 2, 4), GemmTile(32, 64, 32, 2, 4)] if DEVICE.type == "cpu" else \
-        [GemmTile(64, 32, 64, 3, 4), GemmTile(64, 64, 64, 3, 4)]
-    for tile in tiles:
-        for c in caches[1]:
-            c.zero_()
-        got = qkv_rope(x, w, tile, heads, kv_heads, d, *norms, cos, sin, pos, slots, *caches[1])
-        for a, b in zip([*got, *caches[1]], [*ref, *caches[0]], strict=True):
-            assert a.shape == b.shape
-            assert rel(a, b) < TOL[dtype], tile
-    with pytest.raises(ValueError, match="whole heads"):
-        qkv_rope(x, w, GemmTile(32, 48, 32, 2, 4), heads, kv_heads, d, *norms, cos, sin, pos, slots, *caches[1])
-
-
 def test_prefill_gated_matmul_applies_to_long_bf16_prompts_on_hopper_only():
     from llm_anatomy.kernels.matmul import GATED_MIN_ROWS, GATED_TILE, supports_gated
 
@@ -291,3 +259,26 @@ def test_prefill_gated_matmul_applies_to_long_bf16_prompts_on_hopper_only():
     assert not supports_gated(short, w)
     assert not supports_gated(long.float(), w.float())
     assert not supports_gated(long, w[:3 * GATED_TILE.bn])  # an intermediate size the tile does not divide
+
+
+def test_residual_linear_adds_into_the_stream_on_gemms_only(monkeypatch):
+    """o_proj/down on the fast path: a GEMM (prefill) adds into the residual stream in place and returns None, for
+    the norm after it to read the stream alone; a GEMV (decode) returns its product for the norm's fused add."""
+    from llm_anatomy.models import qwen3
+
+    layer = torch.nn.Linear(512, 64, bias=False).to(DEVICE)
+    for rows, gemm in ((40, True), (2, False)):
+        x, residual = rand(rows, 512, seed=rows), rand(rows, 64, seed=rows + 1)
+        before = residual.clone()
+        want = F.linear(x, layer.weight)
+        with torch.no_grad():
+            got = qwen3.residual_linear(x, layer, True, residual)
+        if gemm:
+            assert got is None and rel(residual, before + want) < TOL[torch.float32]
+        else:
+            assert torch.equal(residual, before) and rel(got, want) < TOL[torch.float32]
+    monkeypatch.setattr(qwen3, "RESIDUAL_IN_GEMM", False)
+    x, residual = rand(40, 512), rand(40, 64, seed=1)
+    with torch.no_grad():
+        assert rel(qwen3.residual_linear(x, layer, True, residual), F.linear(x, layer.weight)) < TOL[torch.float32]
+        assert rel(qwen3.residual_linear(x, layer, False, residual), F.linear(x, layer.weight)) < TOL[torch.float32]

@@ -137,10 +137,10 @@ class Attention(nn.Module, FastPath):
                 residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """The attention's output; None where it was added into `residual` (see residual_linear)."""
         tokens = x.shape[0]
+        qkv = linear(x, self.qkv_proj, self.fast)
         if self.fast:
-            out = self._fast_attention(x, positions, rotary, batch)
+            out = self._fast_attention(qkv, positions, rotary, batch)
             return residual_linear(out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj, True, residual)
-        qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -151,19 +151,15 @@ class Attention(nn.Module, FastPath):
         out = attend(q, k, v, self.layer_idx, batch)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
-    def _fast_attention(self, x, positions, rotary, batch: AttentionBatch) -> torch.Tensor:
-        """The qkv product, QK-norm + RoPE + cache store (for a long prefill in the product's epilogue, else in
-        a kernel after it), then cuDNN/flash prefill or the paged decode kernel."""
+    def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch) -> torch.Tensor:
+        """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel. (In
+        the epilogue of a Triton qkv GEMM, prefill's QK-norm + RoPE + store was slower: benchmarks/RESULTS.md.)"""
         k_cache, v_cache = batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx]
-        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        rope = (rotary.cos, rotary.sin, positions, batch.slot_mapping, k_cache, v_cache)
-        w = self.qkv_proj.weight
-        if (batch.is_prefill and self.qkv_proj.bias is None
-                and matmul.supports_qkv_rope(x, w, self.split_sizes[0], self.split_sizes[1], self.head_dim)):
-            out = matmul.qkv_rope(x, w, matmul.QKV_TILE, *heads, *norms, *rope)
-        else:
-            out = qk_norm_rope_store(linear(x, self.qkv_proj, True), *heads, *norms, *rope, kv_out=batch.is_prefill)
+        out = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                 self.q_norm.weight if self.qk_norm else None,
+                                 self.k_norm.weight if self.qk_norm else None,
+                                 self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
+                                 batch.slot_mapping, k_cache, v_cache, kv_out=batch.is_prefill)
         scale = self.head_dim ** -0.5
         if not batch.is_prefill:
             return paged_decode_attention(out, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
