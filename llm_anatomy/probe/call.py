@@ -85,15 +85,15 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
     sampler = GpuTelemetry(engine.device, telemetry_hz) if available else None
     if sampler is not None:
         sampler.start()  # before the clock starts: the sampler's start-up is not part of the call
-    t_parse_start = t_start_ns if t_start_ns is not None else time.perf_counter_ns()
     cuda = engine.device.type == "cuda"
-    if cuda:
+    if cuda:  # the measurement's own set-up (syncs, the device clock's reference) also precedes the clock
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
         resident = torch.cuda.memory_allocated(engine.device)
-    recorder = Recorder(Clock(engine.device, t0_ns=t_parse_start))
+    recorder = Recorder(Clock(engine.device))
     request_id = uuid.uuid4().hex[:16]
-    trace = recorder.watch(request_id)
+    t_parse_start = t_start_ns if t_start_ns is not None else time.perf_counter_ns()
+    trace = recorder.watch(request_id, t0_ns=t_parse_start)
     engine.observers.append(recorder)
     try:
         if request.messages is not None:
