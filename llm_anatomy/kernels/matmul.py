@@ -7,8 +7,9 @@ load brings a block of gate rows and the matching block of up rows (a [2, BN, BK
 
 On the H200 (benchmarks/probe_prefill_gemm.py) the plain product at best ties cuBLAS, so only the gated one is
 used: it beats cuBLAS + silu_mul by 2-3 %. Triton 3.6 does not warp-specialize on Hopper (the loop's attribute
-is accepted and leaves no trace in the compiled kernel), and an epilogue adding the residual stream, measured in
-commit 28ad9bc, lost to cuBLAS and the fused add + RMSNorm kernel.
+is accepted and leaves no trace in the compiled kernel). Two other epilogues lost to cuBLAS and the kernel after
+it: adding the residual stream (commit 28ad9bc; cuBLAS now adds it itself, with beta = 1: qwen3.residual_linear),
+and QK-norm + RoPE + the KV store on qkv (commit 5f0abdc, benchmarks/RESULTS.md, eleventh session).
 """
 
 from __future__ import annotations
