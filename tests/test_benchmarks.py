@@ -95,7 +95,10 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
     persistent, fused, spacer = probes("probe_persistent_mlp"), probes("probe_fused_mlp"), probes("probe_spacer")
     layout, stream_mlp, step = probes("probe_kv_layout"), probes("probe_stream_mlp"), probes("probe_decode_step")
     early, prefill_gemm = probes("probe_early_launch"), probes("probe_prefill_gemm")
+    fusions = probes("probe_prefill_fusions")
     for main, argv, message in (
+            (fusions.main, ["--sections", "residual,qkv"], "unknown section qkv"),
+            (fusions.main, ["--eager", "2048"], "unknown token count 2048"),
             (early.main, ["--variants", "gemv,nope"], "unknown variant nope"),
             (early.main, ["--contexts", "1000"], "unknown context 1000; pick from 512,32768"),
             (prefill_gemm.main, ["--tokens", "3000"], "unknown token count 3000"),
