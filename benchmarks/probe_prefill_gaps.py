@@ -3,16 +3,18 @@
 One engine step per prompt length under torch.profiler (host and device): the step's span, the sum of its
 kernels, and the device's idle gaps between them, the largest with the kernels around them and the host
 op that was running. Chrome traces go to --trace-dir for a closer look. Then the clocks under sustained load:
-ten 8192-token prefills back to back, and 8192^3 bf16 matmuls for about a second, each with NVML sampled at
-100 Hz, against the first milliseconds of the same matmuls (the burst rate `calibrate` measures).
+ten prefills of each --sustained-lengths (8192 tokens by default) back to back, each with its own clocks, and
+8192^3 bf16 matmuls for about a second, with NVML sampled at 100 Hz, against the first milliseconds of the same
+matmuls (the burst rate `calibrate` measures).
 
-    python3 benchmarks/probe_prefill_gaps.py --lengths 2048,8192 --trace-dir $OUT
+    python3 benchmarks/probe_prefill_gaps.py --lengths 2048,8192 --sustained-lengths 2048,8192 --trace-dir $OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -24,10 +26,8 @@ from llm_anatomy import Engine
 from llm_anatomy.probe.telemetry import GpuTelemetry
 
 
-def sampled(fn) -> tuple[object, dict]:
-    """fn() with NVML sampling around it: median SM clock and power, the throttle reasons seen."""
-    import statistics
-
+def sampled(fn) -> tuple[object, dict, list]:
+    """fn() with NVML sampling around it: median SM clock and power, the throttle reasons seen; and the samples."""
     telemetry = GpuTelemetry(torch.device("cuda"), hz=100)
     telemetry.start()
     time.sleep(0.3)  # the sampler process starts
@@ -36,12 +36,41 @@ def sampled(fn) -> tuple[object, dict]:
     busy = samples[len(samples) // 4:]  # past the ramp-up
     return result, {"sm_mhz_median": statistics.median(s.sm_mhz for s in busy),
                     "power_w_median": statistics.median(s.power_mw for s in busy) / 1e3,
-                    "throttle": sorted({r for s in busy for r in s.throttle})}
+                    "throttle": sorted({r for s in busy for r in s.throttle})}, samples
 
 
-def sustained(engine: Engine) -> dict:
-    def prefills():
-        return [one_prefill_ms(engine, 8192, seed=20 + r) for r in range(10)]
+def per_interval(samples, starts_ns: list[int], end_ns: int) -> list[dict]:
+    """Median SM clock and power in each interval [starts[i], starts[i + 1]) (the last ends at end_ns)."""
+    out = []
+    for lo, hi in zip(starts_ns, [*starts_ns[1:], end_ns]):
+        inside = [s for s in samples if lo <= s.t_ns < hi]
+        out.append({"samples": len(inside),
+                    "sm_mhz_median": statistics.median(s.sm_mhz for s in inside) if inside else None,
+                    "power_w_median": statistics.median(s.power_mw for s in inside) / 1e3 if inside else None,
+                    "throttle": sorted({r for s in inside for r in s.throttle})})
+    return out
+
+
+def sustained(engine: Engine, lengths: list[int]) -> dict:
+    """Ten prefills of each length back to back after a rest (each with its own clocks), then 8192^3 matmuls."""
+    out = {}
+    for n in lengths:
+        starts = []
+
+        def prefills():
+            times = []
+            for r in range(10):
+                starts.append(time.perf_counter_ns())
+                times.append(one_prefill_ms(engine, n, seed=20 + r))
+            starts.append(time.perf_counter_ns())
+            return times
+
+        torch.cuda.synchronize()
+        time.sleep(1.0)  # let the clocks recover
+        times, clocks, samples = sampled(prefills)
+        out[f"prefill_{n}_ms"] = times
+        out[f"prefill_{n}_clocks"] = clocks
+        out[f"prefill_{n}_clocks_each"] = per_interval(samples, starts[:-1], starts[-1])
 
     def matmuls():
         x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -58,13 +87,9 @@ def sustained(engine: Engine) -> dict:
             rates.append(60 * flops / a.elapsed_time(b) / 1e9)
         return rates
 
-    torch.cuda.synchronize()
-    time.sleep(1.0)  # let the clocks recover
-    times, during_prefill = sampled(prefills)
     time.sleep(1.0)
-    rates, during_matmul = sampled(matmuls)
-    return {"prefill_8192_ms": times, "prefill_clocks": during_prefill, "matmul_tflops_per_0.1s": rates,
-            "matmul_clocks": during_matmul}
+    rates, during_matmul, _ = sampled(matmuls)
+    return out | {"matmul_tflops_per_0.1s": rates, "matmul_clocks": during_matmul}
 
 
 def gaps(prof, top: int = 12) -> dict:
@@ -97,6 +122,7 @@ def main() -> None:
     parser.add_argument("--trace-dir")
     parser.add_argument("--out")
     parser.add_argument("--no-sustained", action="store_true", help="skip the sustained-load section")
+    parser.add_argument("--sustained-lengths", default="8192", help="prompt lengths of the sustained-load section")
     args = parser.parse_args()
     engine = Engine.from_pretrained("Qwen/Qwen3-8B", device="cuda", weights="synthetic", kv_cache_tokens=40960)
     out = {}
@@ -117,7 +143,7 @@ def main() -> None:
         if args.trace_dir:
             prof.export_chrome_trace(str(Path(args.trace_dir) / f"prefill_{n}.json"))
     if not args.no_sustained:
-        out["sustained"] = sustained(engine)
+        out["sustained"] = sustained(engine, [int(n) for n in args.sustained_lengths.split(",")])
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text)
