@@ -56,8 +56,14 @@ def test_render_tables_targets_ratios_and_protocol():
     assert row["decode TPOT, context <= 512"].endswith("| 4.00 ms | 40.00 ms | 10.00x | 3.00 ms | 75% | yes |")
     assert "| 36.00 ms | 6.00x |" in row["decode TPOT at 32k context"]  # HF's 32k step from the protocol run
     assert row["decode TPOT at 32k context"].endswith("| no |")
-    assert row["prefill, 2048 tokens"].endswith("| 1.50x | 40.00 ms | 80% | no |")
-    assert row["prefill, 8192 tokens"].endswith("| yes |")
+    assert row["prefill, 2048 tokens, back to back"].endswith("| 1.50x | 40.00 ms | 80% | no |")
+    assert row["prefill, 8192 tokens, back to back"].endswith("| yes |")
+    assert "prefill, 2048 tokens, each after 1 s idle (a call on a rested GPU)" not in row  # a run without it
+    results["ours"] |= {"prefill_2048_rested_ms": 44.0}
+    row = {line.split(" | ")[0].lstrip("| "): line
+           for line in bench.render_tables(results).splitlines()}
+    assert row["prefill, 2048 tokens, each after 1 s idle (a call on a rested GPU)"].endswith(
+        "| 44.00 ms |  |  | 40.00 ms | 91% | yes |")
     assert row["TTFT, chat prompt (HF: a 128-token prefill alone)"].endswith("| no |")
     assert row["anatomy on vs off"].startswith("| anatomy on vs off | <= 2 % of TPOT | +0.10% |")
     assert "| 30720 | 2400.0 | 24,767 | 430.0 | 832.67 | 208.98 |" in lines
