@@ -282,26 +282,3 @@ def test_residual_linear_adds_into_the_stream_on_gemms_only(monkeypatch):
     with torch.no_grad():
         assert rel(qwen3.residual_linear(x, layer, True, residual), F.linear(x, layer.weight)) < TOL[torch.float32]
         assert rel(qwen3.residual_linear(x, layer, False, residual), F.linear(x, layer.weight)) < TOL[torch.float32]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_mlp_with_down_started_chunk_by_chunk_equals_the_two_gemvs(dtype, monkeypatch):
-    """gate_up counts each chunk of the activation it writes into a flag; down awaits each chunk's flag instead of
-    the whole kernel before (on a GPU, launched while gate_up runs). Equal to the two plain GEMVs, the flags back
-    at zero after each call (they serve every step), with down's first tiles read ahead or not; and where a tile
-    does not split into the chunks, the plain GEMVs run and the flags are not touched."""
-    from llm_anatomy.kernels import gemv as G
-
-    hidden, inter = 512, 1024
-    gate_up, down = rand(2 * inter, hidden, seed=1, dtype=dtype) / 20, rand(hidden, inter, seed=2, dtype=dtype) / 30
-    flags = torch.zeros(G.FLAG_SLOTS, dtype=torch.int32, device=DEVICE)
-    down_key = G.tile_key(hidden, inter, False, dtype)
-    for rows in (1, 3):
-        x = rand(rows, hidden, seed=rows, dtype=dtype)
-        act = G.gemv(x, gate_up, gated=True)
-        for down_tile in (G.Tile(16, 128, 4, 3), G.Tile(16, 128, 4, 3, prefetch=1), G.Tile(32, 512, 4, 3)):
-            monkeypatch.setitem(G.TILES, down_key, down_tile)
-            plain = G.gemv(act, down, tile=down_tile)
-            for _ in range(2):
-                assert torch.equal(G.mlp_chunked(x, gate_up, down, flags), plain), down_tile
-                assert not flags.any()

@@ -6,6 +6,9 @@ tensor cores' minimum), software-pipelined `num_stages` deep so that enough load
 the memory system. With `gated`, the weight is gate_up = [gate; up] and each program computes matching
 rows of both, so the output is SiLU(gate) * up directly: the MLP's activation costs no extra launch or
 round trip through memory.
+
+(down's GEMV starting on each chunk of gate_up's output as soon as it was written, through flags, rather than at
+the kernel boundary, was slower by 0.07-0.17 ms a step on the H200: commit 65bed5e, benchmarks/RESULTS.md.)
 """
 
 from dataclasses import dataclass, replace
@@ -13,8 +16,6 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from .pdl import PDL, gdc_enter
 
@@ -73,11 +74,9 @@ def _dot(x, w, IEEE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes with the batch; compiling per count is waste
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, flags_ptr,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
                  K: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
-                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                 SIGNAL: tl.constexpr = False, AWAIT: tl.constexpr = False, CHUNKS: tl.constexpr = 1,
-                 FLAG_SLOTS: tl.constexpr = 8):
+                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_PAD)
@@ -89,51 +88,25 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, fla
         w_first = tl.load(wp_ptrs, mask=rn[:, None] < N, other=0.0)
         if GATED:
             u_first = tl.load(wp_ptrs + N * stride_wn, mask=rn[:, None] < N, other=0.0)
-    if AWAIT:  # no wait for the whole kernel before: each chunk of x is awaited below (see await_chunk)
-        if USE_PDL:
-            gdc_launch_dependents()
-    else:
-        gdc_enter(USE_PDL, LAUNCH_FIRST=True)  # see pdl.py
-    K_PARTS: tl.constexpr = CHUNKS if AWAIT else 1  # x's chunks, each awaited before it is read
-    K_CHUNK: tl.constexpr = K // K_PARTS
-    for c in tl.static_range(K_PARTS):
-        if AWAIT:
-            await_chunk(flags_ptr + c, K_CHUNK)
-        if c == 0 and PREFETCH > 0:
-            x_first = tl.load(x_ptr + rm[:, None] * stride_xm + rp[None, :], mask=rm[:, None] < M, other=0.0)
-            acc += _dot(x_first, w_first, IEEE)
-            if GATED:
-                acc_up += _dot(x_first, u_first, IEEE)
-        first = PREFETCH * (c == 0)  # K tiles of this chunk already read
-        rk = c * K_CHUNK + first * BLOCK_K + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-        w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-        u_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows sit N rows below the gate rows
-        for _ in range(first, K_CHUNK // BLOCK_K):
-            x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
-            acc += _dot(x, tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0), IEEE)
-            if GATED:
-                acc_up += _dot(x, tl.load(u_ptrs, mask=rn[:, None] < N, other=0.0), IEEE)
-                u_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+    gdc_enter(USE_PDL, LAUNCH_FIRST=True)  # see pdl.py
+    if PREFETCH > 0:
+        x_first = tl.load(x_ptr + rm[:, None] * stride_xm + rp[None, :], mask=rm[:, None] < M, other=0.0)
+        acc += _dot(x_first, w_first, IEEE)
+        if GATED:
+            acc_up += _dot(x_first, u_first, IEEE)
+    rk = PREFETCH * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    u_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows sit N rows below the gate rows
+    for _ in range(PREFETCH, K // BLOCK_K):
+        x = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
+        acc += _dot(x, tl.load(w_ptrs, mask=rn[:, None] < N, other=0.0), IEEE)
+        if GATED:
+            acc_up += _dot(x, tl.load(u_ptrs, mask=rn[:, None] < N, other=0.0), IEEE)
+            u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     store_rows(y_ptr, acc, acc_up, rm, rn, M, N, stride_ym, GATED)
-    if SIGNAL:  # this program's columns of y are written: count them into their chunk's flag
-        tl.debug_barrier()  # every thread's stores before the release below
-        tl.atomic_add(flags_ptr + pid * BLOCK_N // (N // CHUNKS), min(BLOCK_N, N - pid * BLOCK_N), sem="release",
-                      scope="gpu")
-    if AWAIT:  # the last program to finish resets the flags for the next step: every program has read them
-        if tl.atomic_add(flags_ptr + CHUNKS, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            slots = tl.arange(0, FLAG_SLOTS)
-            tl.store(flags_ptr + slots, tl.zeros([FLAG_SLOTS], tl.int32), mask=slots <= CHUNKS)
-
-
-@triton.jit
-def await_chunk(flag_ptr, count):
-    """Spin until the kernel before has counted `count` columns of this chunk of x as written (acquire: the
-    loads after see them)."""
-    while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") < count:
-        pass
 
 
 @triton.jit
@@ -151,49 +124,20 @@ def store_rows(y_ptr, acc, acc_up, rm, rn, M, N, stride_ym, GATED: tl.constexpr)
 
 
 MAX_ROWS = 16
-# The decode MLP's down GEMV starts on each of CHUNKS chunks of the activation once gate_up's programs have written
-# it, through a vector of FLAG_SLOTS int32 per layer (a count per chunk, then down's finished programs).
-CHUNKS, FLAG_SLOTS = 4, 8
-CHUNKED_MLP = True  # False: down waits for the whole gate_up kernel (benchmarks/probe_mlp_chunks.py compares)
 
 
-def _tile(n: int, k: int, gated: bool, dtype: torch.dtype) -> Tile:
-    return TILES.get(tile_key(n, k, gated, dtype)) or DEFAULT_TILE[dtype.itemsize]
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tile: Tile | None = None,
-         signal: torch.Tensor | None = None, wait_for: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tile: Tile | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight[N, K].T -> [M, N]; with gated, weight is [2n, K] and the result is
-    SiLU(x @ gate.T) * (x @ up.T), [M, n]. K must be a multiple of 512. `tile`: this one, not the tuned one.
-    signal / wait_for: the flags of mlp_chunked (its docstring says when they may be given)."""
+    SiLU(x @ gate.T) * (x @ up.T), [M, n]. K must be a multiple of 512. `tile`: this one, not the tuned one."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    tile = tile or _tile(n, k, gated, weight.dtype)
-    flags = signal if signal is not None else wait_for
+    tile = tile or TILES.get(tile_key(n, k, gated, weight.dtype)) or DEFAULT_TILE[weight.element_size()]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
-        x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), flags if flags is not None else y,
-        K=k, M_PAD=16, GATED=gated, IEEE=x.dtype == torch.float32, USE_PDL=PDL.on, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, PREFETCH=tile.prefetch, SIGNAL=signal is not None, AWAIT=wait_for is not None,
-        CHUNKS=CHUNKS if flags is not None else 1, FLAG_SLOTS=FLAG_SLOTS,
-        launch_pdl=PDL.on, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k, M_PAD=16, GATED=gated,
+        IEEE=x.dtype == torch.float32, USE_PDL=PDL.on, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        PREFETCH=tile.prefetch, launch_pdl=PDL.on, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
-
-
-def mlp_chunked(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """The decode MLP, down(SiLU(gate) * up), as two GEMVs where down does not wait for all of gate_up: each
-    gate_up program counts the activation columns it wrote into its chunk's flag (release), and down's programs,
-    launched while gate_up's last ones run, stream each chunk once its flag is full (acquire). The last down
-    program zeroes the flags (FLAG_SLOTS int32, zero at the first call) for the next call. Without programmatic
-    dependent launch the kernels run one after the other and the flags are full on arrival. Where the tiles
-    do not split into the chunks, the two GEMVs run as usual."""
-    n, k_down = gate_up.shape[0] // 2, down.shape[1]
-    t_up, t_down = _tile(n, x.shape[1], True, gate_up.dtype), _tile(down.shape[0], k_down, False, down.dtype)
-    fits = (CHUNKED_MLP and n == k_down and n % (CHUNKS * t_up.block_n) == 0 and k_down % (CHUNKS * t_down.block_k) == 0
-            and t_down.prefetch < k_down // CHUNKS // t_down.block_k)
-    if not fits:
-        return gemv(gemv(x, gate_up, gated=True), down)
-    return gemv(gemv(x, gate_up, gated=True, signal=flags), down, wait_for=flags)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

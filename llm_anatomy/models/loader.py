@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import WeightsError
 from .config import ModelConfig
-from .qwen3 import MLP, PACKED_MODULES, Qwen3ForCausalLM, RotaryEmbedding, packed_shards
+from .qwen3 import PACKED_MODULES, Qwen3ForCausalLM, RotaryEmbedding, packed_shards
 
 # Tensors some checkpoints carry that the network recomputes; skipped, not an error.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -119,9 +119,6 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
     if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(config).to(device)  # its tables are computed, not loaded
-    for module in model.modules():  # nor are the MLPs' chunk flags, which must start at zero
-        if isinstance(module, MLP):
-            module.chunk_flags.zero_()
     return model.eval().requires_grad_(False)
 
 

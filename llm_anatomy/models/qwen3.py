@@ -174,17 +174,14 @@ class MLP(nn.Module, FastPath):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        # decode's chunk flags between the gate_up and down GEMVs (gemv.mlp_chunked, gemv.FLAG_SLOTS of them);
-        # zero between calls
-        self.register_buffer("chunk_flags", torch.zeros(8, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """The MLP's output; None where it was added into `residual` (see residual_linear)."""
         if self.fast:
             w = self.gate_up_proj.weight
-            if gemv.supports(x, w):  # decode: SiLU*up fused into the gate_up GEMV, down started chunk by chunk
-                return gemv.mlp_chunked(x, w, self.down_proj.weight, self.chunk_flags)
-            if matmul.supports_gated(x, w):  # a long prefill: SiLU*up in the GEMM's epilogue
+            if gemv.supports(x, w):  # decode: SiLU*up fused into the gate_up GEMV
+                act = gemv.gemv(x, w, gated=True)
+            elif matmul.supports_gated(x, w):  # a long prefill: SiLU*up in the GEMM's epilogue
                 act = matmul.matmul(x, w, matmul.GATED_TILE, gated=True)
             else:
                 act = silu_mul(self.gate_up_proj(x))
