@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from bench_h200 import cuda_ms, one_prefill_ms, prefill_ms, prompt_ids
 from llm_anatomy import Engine
 from llm_anatomy.probe.telemetry import GpuTelemetry
+from probe_new_length import prompt_lengths
 
 
 def sampled(fn) -> tuple[object, dict, list]:
@@ -116,17 +117,18 @@ def gaps(prof, top: int = 12) -> dict:
             "largest": [(round(g[0] / 1e3, 3), *g[1:]) for g in idle[:top]]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--lengths", type=prompt_lengths, default=[2048, 8192])
     parser.add_argument("--trace-dir")
     parser.add_argument("--out")
     parser.add_argument("--no-sustained", action="store_true", help="skip the sustained-load section")
-    parser.add_argument("--sustained-lengths", default="8192", help="prompt lengths of the sustained-load section")
-    args = parser.parse_args()
+    parser.add_argument("--sustained-lengths", type=prompt_lengths, default=[8192],
+                        help="prompt lengths of the sustained-load section")
+    args = parser.parse_args(argv)
     engine = Engine.from_pretrained("Qwen/Qwen3-8B", device="cuda", weights="synthetic", kv_cache_tokens=40960)
     out = {}
-    for n in map(int, args.lengths.split(",")):
+    for n in args.lengths:
         ms = prefill_ms(engine, n)
         seq = engine.add_request(prompt_ids(n, seed=9), engine.sampling_params(temperature=0, max_tokens=1))
         torch.cuda.synchronize()
@@ -143,11 +145,11 @@ def main() -> None:
         if args.trace_dir:
             prof.export_chrome_trace(str(Path(args.trace_dir) / f"prefill_{n}.json"))
     if not args.no_sustained:
-        out["sustained"] = sustained(engine, [int(n) for n in args.sustained_lengths.split(",")])
+        out["sustained"] = sustained(engine, args.sustained_lengths)
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text)
-    for n in map(int, args.lengths.split(",")):
+    for n in args.lengths:
         r = out[n]
         print(f"prefill {n}: {r['prefill_ms']:.2f} ms; profiled step: kernels {r['kernel_ms']:.2f} ms, device idle "
               f"{r['idle_ms']:.2f} ms in {r['idle_count']} gaps, span {r['span_ms']:.2f} ms; host before the "

@@ -101,8 +101,10 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
     persistent, fused, spacer = probes("probe_persistent_mlp"), probes("probe_fused_mlp"), probes("probe_spacer")
     layout, stream_mlp, step = probes("probe_kv_layout"), probes("probe_stream_mlp"), probes("probe_decode_step")
     early, prefill_gemm = probes("probe_early_launch"), probes("probe_prefill_gemm")
-    fusions = probes("probe_prefill_fusions")
+    fusions, gaps = probes("probe_prefill_fusions"), probes("probe_prefill_gaps")
     for main, argv, message in (
+            (gaps.main, ["--sustained-lengths", "2048,0"], "positive token counts"),
+            (gaps.main, ["--lengths", "2k"], "positive token counts"),
             (fusions.main, ["--sections", "residual,qkv"], "unknown section qkv"),
             (fusions.main, ["--eager", "2048"], "unknown token count 2048"),
             (early.main, ["--variants", "gemv,nope"], "unknown variant nope"),
