@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from llm_anatomy.engine.tuning import cached_tiles, coordinate_descent, kernels_digest, tune_tiles  # noqa: E402
+from llm_anatomy.engine.tuning import (cached_tiles, code_digest, coordinate_descent, kernels_digest,  # noqa: E402
+                                       tune_tiles)
 from llm_anatomy.kernels.gemv import CANDIDATE_TILES, Tile, prefetch_variants  # noqa: E402
 
 QKV, DOWN = (6144, 4096, False, "bfloat16"), (4096, 12288, False, "bfloat16")
@@ -126,3 +127,11 @@ def _triton():
     import triton
 
     return triton.__version__
+
+
+def test_the_kernels_digest_changes_with_their_code_not_their_comments_or_docstrings():
+    code = 'import triton\n\n\n@triton.jit\ndef k(x):\n    """Adds one."""\n    return x + 1  # why\n'
+    assert code_digest(code) == code_digest('"""A module."""\n' + code.replace("  # why", "  # because"))
+    assert code_digest(code) == code_digest(code.replace('    """Adds one."""\n', ""))
+    assert code_digest(code) != code_digest(code.replace("x + 1", "x + 2"))
+    assert len(kernels_digest()) == 12

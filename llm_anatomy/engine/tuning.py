@@ -7,8 +7,8 @@ tuned by coordinate descent on the real thing: for each candidate tile, the batc
 and replayed, and the fastest step wins; then the winner with weights read ahead of the PDL wait
 (gemv.prefetch_variants) is tried. Shapes go largest first, each tuned with the others at their best so far.
 The choice is stored per GPU model, CUDA, torch and Triton version and per version of the step's kernels (their
-source: a change to any of them, such as when each lets the next launch, moves the best tiles), and a later
-start-up reads it back.
+code, comments and docstrings aside: a change to any of them, such as when each lets the next launch, moves the
+best tiles), and a later start-up reads it back.
 """
 
 from __future__ import annotations
@@ -81,17 +81,28 @@ def device_tag(device) -> str:
     return f"{torch.cuda.get_device_name(device)} | cuda {torch.version.cuda} | torch {torch.__version__}"
 
 
-def kernels_digest() -> str:
-    """A digest of the source of the decode step's kernel modules."""
+def code_digest(source: str) -> str:
+    """A digest of Python source that a comment or a docstring does not change (ast drops the comments)."""
+    import ast
     import hashlib
+
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:12]
+
+
+def kernels_digest() -> str:
+    """A digest of the code of the decode step's kernel modules (their comments and docstrings aside)."""
     from pathlib import Path
 
     from ..kernels import decode_attention, gemv, norm, pdl, rope
 
-    digest = hashlib.sha256()
-    for module in (gemv, decode_attention, norm, rope, pdl):
-        digest.update(Path(module.__file__).read_bytes())
-    return digest.hexdigest()[:12]
+    return code_digest("".join(Path(m.__file__).read_text() for m in (gemv, decode_attention, norm, rope, pdl)))
 
 
 def _cache_key(device: str, pdl: bool) -> str:
