@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probe_nvrtc import STREAM_HELPERS, launch
+from llm_anatomy.kernels.cuda import STREAM_HELPERS, launch
 
 WARPS, STAGES, SLOT_BYTES = 8, 8, 24576
 MAX_CHUNKS = 64  # attention partials per head; a chunk is a multiple of 32 tokens

@@ -24,7 +24,7 @@ import torch
 from bench_h200 import cuda_ms
 from llm_anatomy.kernels import gemv
 from llm_anatomy.kernels.pdl import enable_pdl
-from probe_nvrtc import STREAM_HELPERS
+from llm_anatomy.kernels.cuda import STREAM_HELPERS
 
 LAYERS, N, K = 36, 4096, 4096  # the chain timed against the engine's GEMV: o_proj's shape
 # name -> (rows of W, rows per bulk copy, ring stages, whether products wait for the one before (else: timing

@@ -29,7 +29,7 @@ from bench_h200 import cuda_ms, positive_int
 from llm_anatomy.engine.tuning import cached_tiles, device_tag
 from llm_anatomy.kernels import gemv, norm
 from llm_anatomy.kernels.pdl import enable_pdl
-from probe_nvrtc import STREAM_HELPERS, launch
+from llm_anatomy.kernels.cuda import STREAM_HELPERS, launch
 
 LAYERS, HIDDEN, INTER, EPS = 36, 4096, 12288, 1e-6  # Qwen3-8B
 # A stage holds GU_ROWS gate rows and as many up rows, or one down row. Each consumer warp owns one stage and takes

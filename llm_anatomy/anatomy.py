@@ -268,6 +268,7 @@ class StartupRecord:
     compile_and_capture_s: float  # Triton compiles, GEMV tile tuning, CUDA-graph capture, prefill warm-up
     cuda_graphs: int  # decode batch buckets and short-prefill lengths captured (0: eager, e.g. on the CPU)
     programmatic_dependent_launch: bool
+    streaming_gemv: bool = False  # batch-1 GEMVs by the CUDA kernel that reads weights before its wait
     tile_tuning_s: float = 0.0  # of compile_and_capture_s: the decode GEMVs' tiles, timed in the decode step
     tiles_from_cache: bool = False  # the tiles were read from the disk cache, tuned by an earlier start-up
 

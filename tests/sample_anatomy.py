@@ -326,7 +326,7 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
             co_scheduled={"req-b": steps, "req-<c>": steps // 2},
             stalls=[Stall(start_ms=ttft + 20.0, gpu_ms=13.5, requests=["req-<c>"], tokens=512)], stall_ms=13.5),
         startup=StartupRecord(total_s=17.4, compile_and_capture_s=14.2, cuda_graphs=20,
-                              programmatic_dependent_launch=True, tile_tuning_s=6.3) if not cpu else None,
+                              programmatic_dependent_launch=True, streaming_gemv=True, tile_tuning_s=6.3) if not cpu else None,
         notes=notes,
         id="call-0001" if not cpu else "call-cpu-0001",
         started_at_unix=1748779200.0,  # 2025-06-01 12:00:00 UTC

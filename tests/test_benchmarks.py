@@ -248,7 +248,9 @@ def test_cuda_probes_sources_and_launch_structs(probes):
     import ctypes
 
     pytest.importorskip("triton")
-    chain, mlp, nvrtc = probes("probe_stream_chain"), probes("probe_stream_mlp"), probes("probe_nvrtc")
+    from llm_anatomy.kernels import cuda as nvrtc
+
+    chain, mlp = probes("probe_stream_chain"), probes("probe_stream_mlp")
     source = chain.SOURCE % {"K": 4096, "N": 6144, "ROWS": 4, "STAGES": 6, "MAX_GROUPS": 12, "WAIT": 1, "XS": 6144}
     assert "%(" not in source and "#define N 6144" in source and "it % STAGES" in source
     assert "%(" not in mlp.SOURCE and "#define I 12288" in mlp.SOURCE

@@ -112,7 +112,7 @@ class Engine:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = None, block_size: int = 16, seed: int | None = None,
                  fast_path: bool | None = None, cuda_graphs: bool = True, lookahead: bool | None = None,
-                 pdl: bool = True, mixed_steps: bool = False):
+                 pdl: bool = True, stream_gemv: bool = True, mixed_steps: bool = False):
         self.startup_seconds: float | None = None  # set by from_pretrained: the whole load, capture included
         self.model = model
         self.config = config
@@ -142,11 +142,15 @@ class Engine:
         self.pool = KVCachePool(config, blocks, block_size, dtype, device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, self.max_num_batched_tokens, mixed_steps)
         self.runner = ModelRunner(model, self.pool, device)
-        self.pdl = False
+        self.pdl = self.stream_gemv = False
         if cuda_graphs and self.fast_path and device.type == "cuda":  # graphs replay the fused-kernel path
             from ..kernels.pdl import enable_pdl
+            from ..kernels.stream_gemv import enable_stream_gemv
 
             self.pdl = enable_pdl(device, pdl)
+            # batch-1 GEMVs stream their weights before their PDL wait (kernels/stream_gemv.py): without PDL
+            # nothing overlaps, and the Triton GEMV serves
+            self.stream_gemv = enable_stream_gemv(device, stream_gemv and self.pdl)
             try:
                 self.runner.capture(max_num_seqs, self.max_model_len, self._whole_prompt_tokens)
             except RuntimeError as e:  # a driver that cannot capture programmatic launches: without them
@@ -155,6 +159,7 @@ class Engine:
                 log.warning("CUDA graph capture with programmatic dependent launch failed (%s); retrying "
                             "without it", str(e).splitlines()[0])
                 self.pdl = enable_pdl(device, False)
+                self.stream_gemv = enable_stream_gemv(device, False)
                 self.runner = ModelRunner(model, self.pool, device)
                 self.runner.capture(max_num_seqs, self.max_model_len, self._whole_prompt_tokens)
         self.sampler = Sampler(device, seed)

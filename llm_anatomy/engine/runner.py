@@ -216,7 +216,11 @@ class ModelRunner:
         up to 512 tokens (whatever the KV pool holds; nothing is stored), or read from the cache."""
         from ..kernels import gemv
         from ..kernels.pdl import PDL
+        from ..kernels.stream_gemv import STREAM
 
+        # the tiles serve the Triton GEMV (batches of 2-16 rows, and batch 1 where the streaming GEMV is off):
+        # time them with batch 1 on it
+        streaming, STREAM.on = STREAM.on, False
         bs = self.pool.block_size
         context = min(512, self.pool.num_blocks * bs, self.static_tables.shape[1] * bs)
         self.static_pos[0] = context - 1
@@ -239,6 +243,7 @@ class ModelRunner:
         try:
             return tune_tiles(self._gemv_keys(), gemv.TILES, step_ms, device_tag(self.device), PDL.on)
         finally:
+            STREAM.on = streaming
             self.static_pos.zero_()
             self.static_lens.zero_()
             self.static_tables.zero_()

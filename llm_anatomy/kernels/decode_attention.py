@@ -17,6 +17,7 @@ import triton.language as tl
 
 from . import sm_count
 from .pdl import PDL, gdc_enter
+from .stream_gemv import streams
 
 # Tile and pipelining: the best of benchmarks/bench_h200.py's section attn at 32k context on the H200
 # (at 512 tokens all configs were within 10%). Any config is correct.
@@ -97,8 +98,9 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
 
 @triton.jit(do_not_specialize=["splits"])
 def _decode_attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, n_heads, splits,
-                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
-    gdc_enter(USE_PDL)
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+                  LAUNCH_FIRST: tl.constexpr):
+    gdc_enter(USE_PDL, LAUNCH_FIRST)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -146,6 +148,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
     _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,
-                                    SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, USE_PDL=PDL.on, launch_pdl=PDL.on,
+                                    SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, USE_PDL=PDL.on,
+                                    LAUNCH_FIRST=streams(batch, n_heads * head_dim, q.dtype), launch_pdl=PDL.on,
                                     num_warps=merge_warps(splits_pad, head_dim))
     return out

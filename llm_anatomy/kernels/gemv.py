@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from .pdl import PDL, gdc_enter
+from .stream_gemv import stream_gemv
+from .stream_gemv import supports as stream_supports
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ MAX_ROWS = 16
 def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tile: Tile | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight[N, K].T -> [M, N]; with gated, weight is [2n, K] and the result is
     SiLU(x @ gate.T) * (x @ up.T), [M, n]. K must be a multiple of 512. `tile`: this one, not the tuned one."""
+    if tile is None and stream_supports(x, weight, gated):
+        return stream_gemv(x, weight, gated)
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     tile = tile or TILES.get(tile_key(n, k, gated, weight.dtype)) or DEFAULT_TILE[weight.element_size()]

@@ -9,12 +9,14 @@ import triton
 import triton.language as tl
 
 from .pdl import PDL, gdc_enter
+from .stream_gemv import streams
 
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, stride_x, stride_r, stride_o,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    gdc_enter(USE_PDL)
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                    LAUNCH_FIRST: tl.constexpr):
+    gdc_enter(USE_PDL, LAUNCH_FIRST)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -37,7 +39,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     block = triton.next_power_of_2(n)
     res = residual if residual is not None else x
     _rmsnorm_kernel[(rows,)](x, res, weight, out, n, eps, x.stride(0), res.stride(0), out.stride(0),
-                             HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=PDL.on, launch_pdl=PDL.on,
+                             HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=PDL.on,
+                             LAUNCH_FIRST=streams(rows, n, x.dtype), launch_pdl=PDL.on,
                              num_warps=8 if block >= 4096 else 4)
     return out
 

@@ -226,6 +226,6 @@ def startup_record(engine: Engine) -> StartupRecord | None:
     runner, tuning = engine.runner, engine.runner.tile_tuning
     return StartupRecord(total_s=engine.startup_seconds, compile_and_capture_s=runner.capture_seconds,
                          cuda_graphs=len(runner.graphs) + len(runner.short_graphs) + len(runner.prefill_graphs),
-                         programmatic_dependent_launch=engine.pdl,
+                         programmatic_dependent_launch=engine.pdl, streaming_gemv=engine.stream_gemv,
                          tile_tuning_s=tuning.seconds if tuning else 0.0,
                          tiles_from_cache=bool(tuning and tuning.source == "cache"))

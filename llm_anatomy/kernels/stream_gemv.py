@@ -1,0 +1,198 @@
+"""The batch-1 decode GEMV as a hand-written CUDA kernel that reads its weights before its inputs exist.
+
+A decode step is ~145 dependent GEMVs with small kernels (norms, RoPE, attention) between them. Each Triton GEMV
+starts reading weights only once the kernel before it has ended, and its tail leaves multiprocessors idle, which
+cost ~2 us a GEMV on the H200 (benchmarks/RESULTS.md). Here one block per multiprocessor takes an even share of
+the rows: its producer warp streams them by bulk copies into a ring of shared-memory stages from the moment the
+block is resident, before the PDL wait (weights never depend on the kernel before), while eight consumer warps
+wait for the input, then dot each stage with it. The ring fills the block's whole shared memory, so the next
+GEMV's block cannot share a multiprocessor with this one's: it becomes resident, and starts streaming, on each
+multiprocessor as this GEMV's block there ends, filling the tail.
+
+Numerics: float32 sums of bf16 products, each output rounded to bf16; gated rounds as the Triton GEMV and HF do
+(each projection, SiLU's output, the product). Deterministic: per-warp partial sums added in a fixed order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .cuda import STREAM_HELPERS, compile_kernel, launch
+from .pdl import PDL
+
+
+class _Switch:
+    on = False
+
+
+log = logging.getLogger(__name__)
+STREAM = _Switch()  # whether gemv.gemv hands single bf16 rows to this kernel: see enable_stream_gemv
+
+CONSUMERS = 256  # eight warps split K: thread t takes the 16-byte pieces t, t + 256, ... of every row
+STAGE_BYTES = 32 * 1024  # one bulk copy (two when gated) a stage
+RING_BYTES = 192 * 1024  # leaves the small kernels between GEMVs room to stay resident beside a block
+SHARED_LIMIT = 227 * 1024  # a Hopper block's opt-in maximum
+
+SOURCE = r"""
+#define K %(K)d
+#define ROWS %(ROWS)d                   // weight rows a stage (of each half when gated)
+#define HALVES %(HALVES)d               // 2: gate_up, the up rows n below the gate rows
+#define STAGE_ELEMS (HALVES * ROWS * K)
+#define PIECES (K / 8 / %(CONSUMERS)d)  // 16-byte pieces of a row for each consumer thread
+#define CONSUMERS %(CONSUMERS)d
+""" + STREAM_HELPERS + r"""
+__device__ __forceinline__ float dot8f(uint4 w, const float* x) {
+    return lo(w.x) * x[0] + hi(w.x) * x[1] + lo(w.y) * x[2] + hi(w.y) * x[3]
+         + lo(w.z) * x[4] + hi(w.z) * x[5] + lo(w.w) * x[6] + hi(w.w) * x[7];
+}
+
+extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
+stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x,
+            unsigned short* __restrict__ y, int n, int stages) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned short* ring = (unsigned short*)smem;
+    unsigned long long* full = (unsigned long long*)(ring + (size_t)stages * STAGE_ELEMS);
+    unsigned long long* empty = full + stages;
+    float* partial = (float*)(empty + stages);  // [warp][half][row of this block]
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid %% 32;
+    const int groups = n / ROWS;
+    const int g0 = (int)((long long)blockIdx.x * groups / gridDim.x);
+    const int g1 = (int)((long long)(blockIdx.x + 1) * groups / gridDim.x);
+    const int mine = (g1 - g0) * ROWS;
+    if (tid == 0) init_ring(full, empty, stages, CONSUMERS / 32);
+    __syncthreads();
+    // The next kernel may launch now: a small one fits beside this block and waits; the next GEMV's block
+    // does not fit, so it lands on each multiprocessor as this GEMV's block there ends.
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+
+    if (warp == CONSUMERS / 32) {  // the producer: no wait for the kernel before, weights are constant
+        if (lane == 0) {
+            for (int g = g0, it = 0; g < g1; ++g, ++it) {
+                const int slot = it %% stages, round = it / stages;
+                if (round > 0) mbar_wait(smem_addr(&empty[slot]), (round - 1) & 1);
+                const unsigned bar = smem_addr(&full[slot]);
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;"
+                             :: "r"(bar), "r"(STAGE_ELEMS * 2) : "memory");
+                unsigned short* dst = ring + (size_t)slot * STAGE_ELEMS;
+                bulk_load(dst, w + (size_t)g * ROWS * K, ROWS * K * 2, bar);
+                if (HALVES == 2) bulk_load(dst + ROWS * K, w + ((size_t)n + (size_t)g * ROWS) * K, ROWS * K * 2, bar);
+            }
+        }
+        return;
+    }
+
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the kernel before's output
+    float xf[PIECES * 8];
+    #pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+        const uint4 v = __ldcg((const uint4*)(x + (p * CONSUMERS + tid) * 8));
+        xf[p * 8 + 0] = lo(v.x); xf[p * 8 + 1] = hi(v.x); xf[p * 8 + 2] = lo(v.y); xf[p * 8 + 3] = hi(v.y);
+        xf[p * 8 + 4] = lo(v.z); xf[p * 8 + 5] = hi(v.z); xf[p * 8 + 6] = lo(v.w); xf[p * 8 + 7] = hi(v.w);
+    }
+    for (int g = g0, it = 0; g < g1; ++g, ++it) {
+        const int slot = it %% stages, round = it / stages;
+        mbar_wait(smem_addr(&full[slot]), round & 1);
+        const unsigned short* stage = ring + (size_t)slot * STAGE_ELEMS;
+        float acc[HALVES * ROWS];
+        #pragma unroll
+        for (int r = 0; r < HALVES * ROWS; ++r) {
+            float a = 0.f;
+            #pragma unroll
+            for (int p = 0; p < PIECES; ++p)
+                a += dot8f(*(const uint4*)(stage + r * K + (p * CONSUMERS + tid) * 8), &xf[p * 8]);
+            acc[r] = a;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&empty[slot]));  // the stage is in registers: the producer may refill it
+        #pragma unroll
+        for (int r = 0; r < HALVES * ROWS; ++r) {
+            const float v = warp_sum(acc[r]);
+            if (lane == 0) partial[(warp * HALVES + r / ROWS) * mine + (g - g0) * ROWS + r %% ROWS] = v;
+        }
+    }
+    asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");
+    for (int i = tid; i < mine; i += CONSUMERS) {
+        float a = 0.f;
+        #pragma unroll
+        for (int k = 0; k < CONSUMERS / 32; ++k) a += partial[(k * HALVES) * mine + i];
+        unsigned out;
+        if (HALVES == 2) {
+            float u = 0.f;
+            #pragma unroll
+            for (int k = 0; k < CONSUMERS / 32; ++k) u += partial[(k * HALVES + 1) * mine + i];
+            const float gate = round_bf16(a);
+            out = rne(round_bf16(gate / (1.f + __expf(-gate))) * round_bf16(u));
+        } else {
+            out = rne(a);
+        }
+        y[g0 * ROWS + i] = (unsigned short)out;
+    }
+}
+"""
+
+
+def rows_per_stage(k: int) -> int:
+    return max(1, STAGE_BYTES // (k * 2))
+
+
+def source(k: int, gated: bool) -> str:
+    return SOURCE % {"K": k, "ROWS": rows_per_stage(k) // (2 if gated else 1) or 1, "HALVES": 2 if gated else 1,
+                     "CONSUMERS": CONSUMERS}
+
+
+def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
+    """(ring stages, shared bytes) of a launch over `blocks` blocks: the ring fills RING_BYTES, less what the
+    per-warp partial sums of the block's rows take."""
+    rows = rows_per_stage(k) // (2 if gated else 1) or 1
+    halves = 2 if gated else 1
+    stage = halves * rows * k * 2
+    most_rows = -(-(n // rows) // blocks) * rows
+    partial = CONSUMERS // 32 * halves * most_rows * 4
+    stages = min(RING_BYTES, SHARED_LIMIT - partial - 1024) // stage
+    return stages, stages * (stage + 16) + partial
+
+
+def enable_stream_gemv(device: torch.device, on: bool = True) -> bool:
+    """Hand single bf16 rows to this kernel from now on (graphs captured afterwards keep it), where the device is
+    a Hopper or later and NVRTC compiles it; returns whether it is on."""
+    STREAM.on = False
+    if not (on and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9):
+        return False
+    try:
+        compile_kernel(source(8 * CONSUMERS, False), "stream_gemv", torch.cuda.current_device(), SHARED_LIMIT)
+    except Exception as e:  # no NVRTC in this PyTorch build: the Triton GEMV serves every row
+        log.warning("the streaming GEMV did not compile (%s); the Triton GEMV takes batch 1 too", str(e).splitlines()[0])
+        return False
+    STREAM.on = True
+    return True
+
+
+def streams(rows: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a GEMV over `rows` rows of `dtype` with `k` columns runs this kernel (if its weight fits, see
+    supports): kernels that feed one let it launch before they wait (pdl.py)."""
+    return STREAM.on and rows == 1 and dtype == torch.bfloat16 and k % (8 * CONSUMERS) == 0
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> bool:
+    """A single bf16 row on a Hopper-or-later GPU (enabled), K a multiple of the consumers' pieces, rows in whole
+    stages, a ring of at least two."""
+    n = weight.shape[0] // (2 if gated else 1)
+    k = weight.shape[1]
+    rows = rows_per_stage(k) // (2 if gated else 1) or 1
+    return (streams(x.shape[0], k, x.dtype) and x.is_cuda and weight.dtype == x.dtype and n % rows == 0
+            and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
+            and plan(n, k, gated, torch.cuda.get_device_properties(x.device).multi_processor_count)[0] >= 2)
+
+
+def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T -> [1, N] (bf16); with gated, weight = [gate; up] and the result SiLU(gate) * up."""
+    n = weight.shape[0] // (2 if gated else 1)
+    k = weight.shape[1]
+    blocks = torch.cuda.get_device_properties(x.device).multi_processor_count
+    stages, shared = plan(n, k, gated, blocks)
+    kernel = compile_kernel(source(k, gated), "stream_gemv", torch.cuda.current_device(), SHARED_LIMIT)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages], pdl=PDL.on, shared=shared)
+    return y

@@ -1,0 +1,119 @@
+"""The streaming batch-1 GEMV (CUDA C++ through NVRTC): against float32 products and the Triton GEMV, the same
+bits every run, and chained inside a CUDA graph with programmatic dependent launch. CUDA only, but for `supports`."""
+
+import pytest
+import torch
+
+from llm_anatomy.kernels import stream_gemv as sg
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                          reason="needs a Hopper-or-later CUDA device")
+
+
+def reference(x, w, gated):
+    y = x.float() @ w.float().T
+    if not gated:
+        return y
+    n = w.shape[0] // 2
+    gate, up = y[:, :n].bfloat16().float(), y[:, n:].bfloat16().float()
+    return torch.nn.functional.silu(gate).bfloat16().float() * up
+
+
+def test_supports_only_single_bf16_rows_on_cuda():
+    w = torch.zeros(64, 2048, dtype=torch.bfloat16)
+    assert not sg.supports(torch.zeros(1, 2048, dtype=torch.bfloat16), w, False)  # CPU tensors
+
+
+def test_plan_fits_a_hopper_block():
+    for n, k, gated in ((6144, 4096, False), (12288, 4096, True), (4096, 12288, False), (151936, 4096, False)):
+        stages, shared = sg.plan(n, k, gated, 132)
+        assert stages >= 2 and shared <= sg.SHARED_LIMIT
+
+
+@pytest.fixture
+def streaming():
+    from llm_anatomy.kernels.pdl import enable_pdl
+
+    enable_pdl(torch.device("cuda"))
+    saved = sg.STREAM.on
+    assert sg.enable_stream_gemv(torch.device("cuda"))
+    yield
+    sg.STREAM.on = saved
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gated", [(2048, 2048, False), (6144, 4096, False), (3072, 2048, True),
+                                       (2048, 6144, False), (151936, 2048, False)])
+def test_matches_float32_and_triton(n, k, gated, streaming):
+    from llm_anatomy.kernels import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (torch.randn(2 * n if gated else n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    assert sg.supports(x, w, gated)
+    y = sg.stream_gemv(x, w, gated)
+    ref = reference(x, w, gated)
+    assert y.shape == (1, n) and y.dtype == torch.bfloat16
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 4e-3
+    triton_y = gemv.gemv(x, w, gated, tile=gemv.DEFAULT_TILE[2])
+    assert (y.float() - triton_y.float()).abs().max().item() <= 0.02 * ref.abs().max().item()
+    assert torch.equal(sg.stream_gemv(x, w, gated), y)  # partial sums added in a fixed order
+
+
+@cuda
+@pytest.mark.gpu
+def test_chain_in_a_cuda_graph_with_pdl(streaming):
+    """Each product waits for the one before (its producer reads weights early, its consumers read x late)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ws = [(torch.randn(2048, 2048, device="cuda", generator=g) / 2048 ** 0.5).bfloat16() for _ in range(8)]
+    x0 = torch.randn(1, 2048, device="cuda", generator=g).bfloat16()
+
+    def chain():
+        x = x0
+        for w in ws:
+            x = sg.stream_gemv(x, w)
+        return x
+
+    eager = chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    ref = x0.float()
+    for w in ws:
+        ref = (ref @ w.float().T).bfloat16().float()
+    assert ((eager.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@cuda
+@pytest.mark.gpu
+def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, monkeypatch):
+    """A bf16 model whose every decode GEMV streams (K multiples of 2048): the same greedy tokens and logits
+    within bf16 rounding of the engine with the Triton GEMV at batch 1, graphs and programmatic launch on."""
+    from llm_anatomy import Engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # tiles tuned here stay here
+    directory, _ = save_tiny(hidden_size=2048, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4,
+                             head_dim=128, num_hidden_layers=2, vocab_size=4096, initializer_range=0.02, shard=None)
+    out = {}
+    for streaming in (True, False):
+        engine = Engine.from_pretrained(directory, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=512,
+                                        max_num_seqs=2, stream_gemv=streaming)
+        assert engine.stream_gemv == streaming
+        rows = []
+        run = engine.runner.run
+
+        def recording(batch, ahead=None, run=run, rows=rows):
+            rows.append(run(batch, ahead).clone())
+            return rows[-1]
+
+        engine.runner.run = recording
+        tokens = engine.generate_many([[5, 9, 2, 7, 1, 3]], temperature=0, max_tokens=12, ignore_eos=True)
+        out[streaming] = torch.cat(rows), tokens[0].output_token_ids
+        del engine
+    assert out[True][1] == out[False][1]
+    a, b = out[True][0], out[False][0]
+    assert ((a - b).norm() / b.norm()).item() < 2e-2
