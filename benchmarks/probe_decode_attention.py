@@ -65,7 +65,7 @@ VARIANTS = {
 }
 # Pipelining and warps, for the long contexts (where the cache's bytes dominate): sNwM = num_stages N, num_warps M.
 for _bn in (64, 128):
-    for _splits in (None, 16, 24):
+    for _splits in (None, 16, 24, 48):
         for _stages, _warps in ((2, 8), (3, 4), (3, 8), (4, 4)):
             VARIANTS[f"bn{_bn}_splits{_splits or 'default'}_s{_stages}w{_warps}"] = variant(
                 splits=_splits, block_n=_bn, num_stages=_stages, num_warps=_warps)

@@ -27,6 +27,7 @@ import torch
 from bench_h200 import cuda_ms, make_engine, names_from, one_prefill_ms, positive_int
 from llm_anatomy.kernels import gemv as gemv_module
 from llm_anatomy.models import qwen3
+from llm_anatomy.engine.runner import LONG_SPLITS
 from llm_anatomy.probe.kernels import categorize
 
 CONTEXT = 512
@@ -42,6 +43,8 @@ def decode_forward(engine, context: int = CONTEXT, splits: int | None = None, bl
     runner.static_slots[:1] = -1
     runner.static_lens[:1] = context
     runner.static_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32)
+    if splits is None and block_n is None:
+        splits = LONG_SPLITS
     return runner._decode_forward(1, splits, block_n)
 
 

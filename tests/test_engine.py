@@ -230,7 +230,7 @@ def test_the_engine_never_imports_the_probe():
 
 def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine, monkeypatch):
     """A profiled (eager) decode step must run the attention the CUDA graphs run: the short-context splits and
-    tile for one sequence up to SHORT_CONTEXT, the defaults beyond it, for batches and for prefills."""
+    tile for one sequence up to SHORT_CONTEXT, LONG_SPLITS beyond it, the defaults for batches and prefills."""
     from llm_anatomy.engine import runner as runner_module
 
     monkeypatch.setattr(runner_module, "SHORT_CONTEXT", 6)
@@ -248,6 +248,7 @@ def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine,
     engine.generate_many([[3, 1, 4], [1, 5]], temperature=0, max_tokens=3, ignore_eos=True)
     short = (runner_module.SHORT_SPLITS, runner_module.SHORT_BLOCK_N)
     for is_prefill, n, longest, splits, block_n in seen:
-        want = short if not is_prefill and n == 1 and longest <= 6 else (None, None)
+        want = (None, None) if is_prefill else short if n == 1 and longest <= 6 else \
+            (runner_module.LONG_SPLITS, None) if n == 1 else (None, None)
         assert (splits, block_n) == want
-    assert any(s[3] for s in seen) and any(not s[0] and s[3] is None for s in seen)
+    assert {s[3] for s in seen if not s[0]} == {runner_module.SHORT_SPLITS, runner_module.LONG_SPLITS, None}

@@ -34,12 +34,24 @@ GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, 2049)})
 # merge, which spilled at 33 splits; with the merge's warps fitted to the splits, 36 layers of attention alone
 # still took 0.194 against 0.245 ms at 512 tokens, and 0.317 against 0.326 at 2048 (benchmarks/probe_kv_layout.py).
 SHORT_CONTEXT, SHORT_SPLITS, SHORT_BLOCK_N = 2048, 16, 64
+# Beyond it, batch 1 splits each KV head's context 48 ways rather than the default 33 (two programs a
+# multiprocessor): with the streaming GEMVs beside it, the Qwen3-8B step at 32k took 5.08 against 5.13 ms on the
+# H200 (benchmarks/probe_stream_gemv.py, section splits). Splits past a shorter context leave at once.
+LONG_SPLITS = 48
 
 
 def short_decode_attention(batch_size: int, longest_context: int) -> bool:
     """Whether a decode step runs the short-context attention (SHORT_SPLITS of SHORT_BLOCK_N tokens): a single
     sequence of up to SHORT_CONTEXT tokens. The graphs and the eager steps (a profiled replay) decide alike."""
     return batch_size == 1 and longest_context <= SHORT_CONTEXT
+
+
+def decode_attention_plan(batch_size: int, longest_context: int) -> tuple[int | None, int | None]:
+    """(splits, tile) of a decode step's attention, None for the kernel's defaults: the short-context graph's,
+    batch 1's long-context graph's, or the defaults for batches."""
+    if short_decode_attention(batch_size, longest_context):
+        return SHORT_SPLITS, SHORT_BLOCK_N
+    return (LONG_SPLITS if batch_size == 1 else None), None
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
@@ -108,7 +120,7 @@ class ModelRunner:
         ends = torch.tensor(batch.query_lens).cumsum(0) - 1
         last = ends[[i for i, s in enumerate(batch.seqs) if id(s) in sampled]]
         longs = torch.cat([torch.tensor(input_ids, dtype=torch.int64), *positions, *slots, last])
-        short = not batch.is_prefill and short_decode_attention(seqs, int(ints[:seqs].max()))  # host ints
+        splits, block_n = (None, None) if batch.is_prefill else decode_attention_plan(seqs, int(ints[:seqs].max()))
         self._upload_flip ^= 1
         longs, ints = self._upload(longs), self._upload(ints)
         n_ids = 0 if ahead else tokens
@@ -119,7 +131,7 @@ class ModelRunner:
             block_tables=ints[seqs:].view(seqs, width),
             context_lens=ints[:seqs],
             query_lens=tuple(batch.query_lens), prefix_lens=tuple(prefix_lens), num_decodes=batch.num_decodes,
-            decode_splits=SHORT_SPLITS if short else None, decode_block_n=SHORT_BLOCK_N if short else None,
+            decode_splits=splits, decode_block_n=block_n,
         )
         return longs[:n_ids], longs[n_ids:n_ids + tokens], attn, longs[n_ids + 2 * tokens:]
 
@@ -167,7 +179,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(dev)
         self.tile_tuning = self._tune_gemv_tiles()
         for b in reversed(sizes):
-            self.graphs[b] = self._capture_one(self._decode_forward(b))
+            self.graphs[b] = self._capture_one(self._decode_forward(b, *decode_attention_plan(b, SHORT_CONTEXT + 1)))
             if b == 1:
                 self.short_graphs[b] = self._capture_one(self._decode_forward(b, SHORT_SPLITS, SHORT_BLOCK_N))
         self._capture_prefill(max_prefill_tokens)

@@ -73,38 +73,47 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     # first tile of keys and values read there too was slower: 4.226 ms a step against 4.172 at 512 tokens on the
     # H200, commit f871882.)
     ctx = tl.load(ctx_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N  # as _splits_used
     start = s * per_split
     end = tl.minimum(start + per_split, ctx)
-    gdc_enter(USE_PDL, LAUNCH_FIRST=True)  # see pdl.py
+    # A split past the context (more splits than a short context fills) leaves at once, before its wait; the
+    # merge reads only the splits that hold tokens.
+    if start < ctx:
+        gdc_enter(USE_PDL, LAUNCH_FIRST=True)  # see pdl.py
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kvh * GROUP + g
+        gmask = g < GROUP
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
+                                     stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
+        # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
+        base = (b * n_kv_heads * GROUP + heads) * splits + s
+        tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+        tl.store(ml_ptr + base * 2, m, mask=gmask)
+        tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
 
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
-                                 stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
-    # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
-    base = (b * n_kv_heads * GROUP + heads) * splits + s
-    tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
-    tl.store(ml_ptr + base * 2, m, mask=gmask)
-    tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
+
+@triton.jit
+def _splits_used(ctx, splits, BLOCK_N: tl.constexpr):
+    """How many of a sequence's splits hold tokens: each takes a whole number of tiles, the last what is left."""
+    per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
+    return tl.cdiv(ctx, tl.maximum(per_split, 1))
 
 
-@triton.jit(do_not_specialize=["splits"])
-def _decode_attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, n_heads, splits,
-                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+@triton.jit(do_not_specialize=["splits"], do_not_specialize_on_alignment=["ctx_ptr"])
+def _decode_attention_merge_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, n_heads, splits,
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
                   LAUNCH_FIRST: tl.constexpr):
     gdc_enter(USE_PDL, LAUNCH_FIRST)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
-    smask = sp < splits
+    smask = sp < _splits_used(tl.load(ctx_ptr + b), splits, BLOCK_N)  # none for a padded row: zeros out
     base = (b * n_heads + h) * splits + sp
     m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
     l = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
@@ -147,8 +156,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
-    _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, out, out.stride(0), out.stride(1), n_heads, splits,
-                                    SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, USE_PDL=PDL.on,
+    _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, context_lens, out, out.stride(0), out.stride(1), n_heads,
+                                    splits, SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_N=block_n, USE_PDL=PDL.on,
                                     LAUNCH_FIRST=streams(batch, n_heads * head_dim, q.dtype), launch_pdl=PDL.on,
                                     num_warps=merge_warps(splits_pad, head_dim))
     return out
