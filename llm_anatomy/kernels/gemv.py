@@ -7,6 +7,8 @@ the memory system. With `gated`, the weight is gate_up = [gate; up] and each pro
 rows of both, so the output is SiLU(gate) * up directly: the MLP's activation costs no extra launch or
 round trip through memory.
 
+A single bf16 row goes to the streaming CUDA kernel instead (stream_gemv.py), where it is enabled.
+
 (down's GEMV starting on each chunk of gate_up's output as soon as it was written, through flags, rather than at
 the kernel boundary, was slower by 0.07-0.17 ms a step on the H200: commit 65bed5e, benchmarks/RESULTS.md.)
 """

@@ -11,7 +11,10 @@ resident (themselves waiting) when this one ends. Still ordinary stream order: e
 before, which waited for its own. On the H200 (Qwen3-8B batch-1 decode step, benchmarks/probe_early_launch.py)
 this paid for the GEMVs (whose successors are small kernels) and the decode attention's split kernel, 0.015-0.03
 ms a step at 512 tokens and at 32k, and cost 0.6 ms when given to the norms (the GEMV after a norm then launches
-while the GEMV before the norm still streams) or 0.05 ms at 32k when given to QK-norm/RoPE.
+while the GEMV before the norm still streams) or 0.05 ms at 32k when given to QK-norm/RoPE. A kernel that feeds
+the streaming batch-1 GEMV (stream_gemv.py: the norms, the attention's merge) does launch first: that GEMV's
+blocks cannot share a multiprocessor with the one before, so they land as it leaves, and start reading weights
+there (3.88 against 4.00 ms a step at 512 tokens, 5.05 against 5.21 at 32k: benchmarks/probe_stream_gemv.py).
 """
 
 import os
