@@ -161,7 +161,8 @@ def enable_stream_gemv(device: torch.device, on: bool = True) -> bool:
     if not (on and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9):
         return False
     try:
-        compile_kernel(source(8 * CONSUMERS, False), "stream_gemv", torch.cuda.current_device(), SHARED_LIMIT)
+        with torch.cuda.device(device):
+            compile_kernel(source(8 * CONSUMERS, False), "stream_gemv", torch.cuda.current_device(), SHARED_LIMIT)
     except Exception as e:  # no NVRTC in this PyTorch build: the Triton GEMV serves every row
         log.warning("the streaming GEMV did not compile (%s); the Triton GEMV takes batch 1 too", str(e).splitlines()[0])
         return False
@@ -192,7 +193,8 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> t
     k = weight.shape[1]
     blocks = torch.cuda.get_device_properties(x.device).multi_processor_count
     stages, shared = plan(n, k, gated, blocks)
-    kernel = compile_kernel(source(k, gated), "stream_gemv", torch.cuda.current_device(), SHARED_LIMIT)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages], pdl=PDL.on, shared=shared)
+    with torch.cuda.device(x.device):  # the kernel's module and the stream are those of x's device
+        kernel = compile_kernel(source(k, gated), "stream_gemv", x.device.index, SHARED_LIMIT)
+        launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages], pdl=PDL.on, shared=shared)
     return y
