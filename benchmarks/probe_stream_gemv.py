@@ -152,12 +152,13 @@ def main(argv=None):
     parser.add_argument("--splits", type=lambda v: [positive_int(s) for s in v.split(",")], default=[24, 33, 48, 66],
                         help="section splits: the attention's splits per KV head to time")
     parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--model", default="Qwen/Qwen3-8B", help="sections step and splits: the model (synthetic)")
     parser.add_argument("--variants", type=names_from(list(VARIANTS), "variant"), default=list(VARIANTS))
     parser.add_argument("--contexts", type=names_from(["512", "2048", "4096", "8192", "32768"], "context"),
                         default=["512", "32768"])
     args = parser.parse_args(argv)
     out = {}
-    engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=32768 + 256, max_num_seqs=1)
+    engine = make_engine({"model": args.model}, kv_cache_tokens=32768 + 256, max_num_seqs=1)
     dev = torch.device("cuda")
     if "shapes" in args.sections:
         out["shapes"] = section_shapes(dev)

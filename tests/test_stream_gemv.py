@@ -24,10 +24,15 @@ def test_supports_only_single_bf16_rows_on_cuda():
     assert not sg.supports(torch.zeros(1, 2048, dtype=torch.bfloat16), w, False)  # CPU tensors
 
 
-def test_plan_fits_a_hopper_block():
-    for n, k, gated in ((6144, 4096, False), (12288, 4096, True), (4096, 12288, False), (151936, 4096, False)):
+def test_plan_fits_a_hopper_block_and_stages_are_whole():
+    for n, k, gated in ((6144, 4096, False), (12288, 4096, True), (4096, 12288, False), (151936, 4096, False),
+                        (2560, 2560, False), (9728, 2560, True), (5120, 25600, False), (151936, 2560, False)):
         stages, shared = sg.plan(n, k, gated, 132)
-        assert stages >= 2 and shared <= sg.SHARED_LIMIT
+        rows = sg.rows_per_stage(n, k, gated)
+        assert stages >= 2 and shared <= sg.SHARED_LIMIT and n % rows == 0
+        assert rows * k * 2 * (2 if gated else 1) <= sg.STAGE_BYTES or rows == 1
+    assert sg.rows_per_stage(4096, 4096, False) == 4 and sg.rows_per_stage(12288, 4096, True) == 2
+    assert sg.rows_per_stage(2560, 2560, False) == 5  # 6 fit, 5 divide
 
 
 @pytest.fixture
@@ -43,8 +48,11 @@ def streaming():
 
 @cuda
 @pytest.mark.gpu
+# Qwen3-8B's shapes but the LM head, and the family's K not a multiple of the consumers' 2048 (4B: 2560, 9728; 14B:
+# 17408), with rows that a stage's most does not divide
 @pytest.mark.parametrize("n,k,gated", [(2048, 2048, False), (6144, 4096, False), (3072, 2048, True),
-                                       (2048, 6144, False), (151936, 2048, False)])
+                                       (2048, 6144, False), (151936, 2048, False), (2560, 2560, False),
+                                       (9728, 2560, True), (2560, 9728, False), (5120, 17408, False)])
 def test_matches_float32_and_triton(n, k, gated, streaming):
     from llm_anatomy.kernels import gemv
 

@@ -34,14 +34,19 @@ CONSUMERS = 256  # eight warps split K: thread t takes the 16-byte pieces t, t +
 STAGE_BYTES = 32 * 1024  # one bulk copy (two when gated) a stage
 RING_BYTES = 192 * 1024  # leaves the small kernels between GEMVs room to stay resident beside a block
 SHARED_LIMIT = 227 * 1024  # a Hopper block's opt-in maximum
+# x stays in registers (128 floats a consumer thread at most). Below 2048 columns (Qwen3-0.6B) the products are
+# too small to fill a block per multiprocessor, and were not measured: the Triton GEMV keeps them.
+MIN_K, MAX_K = 2048, 32768
 
 SOURCE = r"""
 #define K %(K)d
 #define ROWS %(ROWS)d                   // weight rows a stage (of each half when gated)
 #define HALVES %(HALVES)d               // 2: gate_up, the up rows n below the gate rows
 #define STAGE_ELEMS (HALVES * ROWS * K)
-#define PIECES (K / 8 / %(CONSUMERS)d)  // 16-byte pieces of a row for each consumer thread
 #define CONSUMERS %(CONSUMERS)d
+#define KP (K / 8)                               // 16-byte pieces of a row
+#define PIECES ((KP + CONSUMERS - 1) / CONSUMERS)  // of them, each consumer thread's (the last may be short)
+#define HAS_PIECE(p) ((p) < PIECES - 1 || KP %% CONSUMERS == 0 || tid < KP %% CONSUMERS)
 """ + STREAM_HELPERS + r"""
 __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
     return lo(w.x) * x[0] + hi(w.x) * x[1] + lo(w.y) * x[2] + hi(w.y) * x[3]
@@ -87,7 +92,7 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
     float xf[PIECES * 8];
     #pragma unroll
     for (int p = 0; p < PIECES; ++p) {
-        const uint4 v = __ldcg((const uint4*)(x + (p * CONSUMERS + tid) * 8));
+        const uint4 v = HAS_PIECE(p) ? __ldcg((const uint4*)(x + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0);
         xf[p * 8 + 0] = lo(v.x); xf[p * 8 + 1] = hi(v.x); xf[p * 8 + 2] = lo(v.y); xf[p * 8 + 3] = hi(v.y);
         xf[p * 8 + 4] = lo(v.z); xf[p * 8 + 5] = hi(v.z); xf[p * 8 + 6] = lo(v.w); xf[p * 8 + 7] = hi(v.w);
     }
@@ -101,7 +106,7 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
             float a = 0.f;
             #pragma unroll
             for (int p = 0; p < PIECES; ++p)
-                a += dot8f(*(const uint4*)(stage + r * K + (p * CONSUMERS + tid) * 8), &xf[p * 8]);
+                if (HAS_PIECE(p)) a += dot8f(*(const uint4*)(stage + r * K + (p * CONSUMERS + tid) * 8), &xf[p * 8]);
             acc[r] = a;
         }
         __syncwarp();
@@ -133,19 +138,21 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
 """
 
 
-def rows_per_stage(k: int) -> int:
-    return max(1, STAGE_BYTES // (k * 2))
+def rows_per_stage(n: int, k: int, gated: bool) -> int:
+    """Weight rows a stage copies (of each half when gated): as many as fit in STAGE_BYTES and divide n, so that
+    every stage is whole (Qwen3-8B: 4 for K = 4096, 2 for gate_up's halves, 1 for down's K = 12288)."""
+    most = max(1, STAGE_BYTES // (k * 2 * (2 if gated else 1)))
+    return next(r for r in range(most, 0, -1) if n % r == 0)
 
 
-def source(k: int, gated: bool) -> str:
-    return SOURCE % {"K": k, "ROWS": rows_per_stage(k) // (2 if gated else 1) or 1, "HALVES": 2 if gated else 1,
-                     "CONSUMERS": CONSUMERS}
+def source(n: int, k: int, gated: bool) -> str:
+    return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated), "HALVES": 2 if gated else 1, "CONSUMERS": CONSUMERS}
 
 
 def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
     """(ring stages, shared bytes) of a launch over `blocks` blocks: the ring fills RING_BYTES, less what the
     per-warp partial sums of the block's rows take."""
-    rows = rows_per_stage(k) // (2 if gated else 1) or 1
+    rows = rows_per_stage(n, k, gated)
     halves = 2 if gated else 1
     stage = halves * rows * k * 2
     most_rows = -(-(n // rows) // blocks) * rows
@@ -162,7 +169,7 @@ def enable_stream_gemv(device: torch.device, on: bool = True) -> bool:
         return False
     try:
         with torch.cuda.device(device):
-            compile_kernel(source(8 * CONSUMERS, False), "stream_gemv", torch.cuda.current_device(), SHARED_LIMIT)
+            compile_kernel(source(64, 8 * CONSUMERS, False), "stream_gemv", torch.cuda.current_device(), SHARED_LIMIT)
     except Exception as e:  # no NVRTC in this PyTorch build: the Triton GEMV serves every row
         log.warning("the streaming GEMV did not compile (%s); the Triton GEMV takes batch 1 too", str(e).splitlines()[0])
         return False
@@ -173,16 +180,14 @@ def enable_stream_gemv(device: torch.device, on: bool = True) -> bool:
 def streams(rows: int, k: int, dtype: torch.dtype) -> bool:
     """Whether a GEMV over `rows` rows of `dtype` with `k` columns runs this kernel (if its weight fits, see
     supports): kernels that feed one let it launch before they wait (pdl.py)."""
-    return STREAM.on and rows == 1 and dtype == torch.bfloat16 and k % (8 * CONSUMERS) == 0
+    return STREAM.on and rows == 1 and dtype == torch.bfloat16 and k % 8 == 0 and MIN_K <= k <= MAX_K
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> bool:
-    """A single bf16 row on a Hopper-or-later GPU (enabled), K a multiple of the consumers' pieces, rows in whole
-    stages, a ring of at least two."""
+    """A single bf16 row on a Hopper-or-later GPU (enabled), K in 16-byte pieces, a ring of at least two stages."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
-    rows = rows_per_stage(k) // (2 if gated else 1) or 1
-    return (streams(x.shape[0], k, x.dtype) and x.is_cuda and weight.dtype == x.dtype and n % rows == 0
+    return (streams(x.shape[0], k, x.dtype) and x.is_cuda and weight.dtype == x.dtype
             and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
             and plan(n, k, gated, torch.cuda.get_device_properties(x.device).multi_processor_count)[0] >= 2)
 
@@ -195,6 +200,6 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> t
     stages, shared = plan(n, k, gated, blocks)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):  # the kernel's module and the stream are those of x's device
-        kernel = compile_kernel(source(k, gated), "stream_gemv", x.device.index, SHARED_LIMIT)
+        kernel = compile_kernel(source(n, k, gated), "stream_gemv", x.device.index, SHARED_LIMIT)
         launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages], pdl=PDL.on, shared=shared)
     return y
