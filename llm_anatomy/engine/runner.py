@@ -230,9 +230,6 @@ class ModelRunner:
         from ..kernels.pdl import PDL
         from ..kernels.stream_gemv import STREAM
 
-        # the tiles serve the Triton GEMV (batches of 2-16 rows, and batch 1 where the streaming GEMV is off):
-        # time them with batch 1 on it
-        streaming, STREAM.on = STREAM.on, False
         bs = self.pool.block_size
         context = min(512, self.pool.num_blocks * bs, self.static_tables.shape[1] * bs)
         self.static_pos[0] = context - 1
@@ -252,6 +249,9 @@ class ModelRunner:
             end.synchronize()
             return start.elapsed_time(end) / 10
 
+        # the tiles serve the Triton GEMV (batches of 2-16 rows, and batch 1 where the streaming GEMV is off):
+        # time them with batch 1 on it
+        streaming, STREAM.on = STREAM.on, False
         try:
             return tune_tiles(self._gemv_keys(), gemv.TILES, step_ms, device_tag(self.device), PDL.on)
         finally:

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from . import sm_count
 from .cuda import STREAM_HELPERS, compile_kernel, launch
 from .pdl import PDL
 
@@ -171,7 +172,7 @@ def enable_stream_gemv(device: torch.device, on: bool = True) -> bool:
         return False
     try:
         with torch.cuda.device(device):
-            compile_kernel(source(64, 8 * CONSUMERS, False), "stream_gemv", torch.cuda.current_device(), SHARED_LIMIT)
+            compile_kernel(source(64, 8 * CONSUMERS, False), "stream_gemv", device.index, SHARED_LIMIT)
     except Exception as e:  # no NVRTC in this PyTorch build: the Triton GEMV serves every row
         log.warning("the streaming GEMV did not compile (%s); the Triton GEMV takes batch 1 too", str(e).splitlines()[0])
         return False
@@ -191,14 +192,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> bool:
     k = weight.shape[1]
     return (streams(x.shape[0], k, x.dtype) and x.is_cuda and weight.dtype == x.dtype
             and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
-            and plan(n, k, gated, torch.cuda.get_device_properties(x.device).multi_processor_count)[0] >= 2)
+            and plan(n, k, gated, sm_count(x.device))[0] >= 2)
 
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T -> [1, N] (bf16); with gated, weight = [gate; up] and the result SiLU(gate) * up."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
-    blocks = torch.cuda.get_device_properties(x.device).multi_processor_count
+    blocks = sm_count(x.device)
     stages, shared = plan(n, k, gated, blocks)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):  # the kernel's module and the stream are those of x's device

@@ -25,7 +25,7 @@ def startup_text(a) -> str | None:
     pdl = "on" if s.programmatic_dependent_launch else "off"
     tiles = ("GEMV tiles from the cache" if s.tiles_from_cache
              else f"GEMV tile tuning {s.tile_tuning_s:.1f} s (kept for the next start)")
-    streaming = "; batch-1 GEMVs stream their weights before their wait" if getattr(s, "streaming_gemv", False) else ""
+    streaming = "; batch-1 GEMVs stream their weights before their wait" if s.streaming_gemv else ""
     return (f"{s.total_s:.1f} s once, before this call and not in its timings, of which {s.compile_and_capture_s:.1f} s "
             f"Triton compiles, {tiles} and the capture of {s.cuda_graphs} CUDA graphs (programmatic dependent "
             f"launch {pdl}{streaming})")
