@@ -59,6 +59,12 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
     return m_new, l, acc
 
 
+@triton.jit
+def _split_len(ctx, splits, BLOCK_N: tl.constexpr):
+    """Tokens of each split of a context of ctx: a whole number of tiles."""
+    return tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
+
+
 # The block tables' width, the split count and where the step's integers sit change from step to step: no
 # specialising on them, so that an eager step of a new shape does not compile a kernel.
 @triton.jit(do_not_specialize=["stride_tb", "splits"], do_not_specialize_on_alignment=["table_ptr", "ctx_ptr"])
@@ -73,7 +79,7 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     # first tile of keys and values read there too was slower: 4.226 ms a step against 4.172 at 512 tokens on the
     # H200, commit f871882.)
     ctx = tl.load(ctx_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N  # as _splits_used
+    per_split = _split_len(ctx, splits, BLOCK_N)
     start = s * per_split
     end = tl.minimum(start + per_split, ctx)
     # A split past the context (more splits than a short context fills) leaves at once, before its wait; the
@@ -101,8 +107,7 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
 @triton.jit
 def _splits_used(ctx, splits, BLOCK_N: tl.constexpr):
     """How many of a sequence's splits hold tokens: each takes a whole number of tiles, the last what is left."""
-    per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
-    return tl.cdiv(ctx, tl.maximum(per_split, 1))
+    return tl.cdiv(ctx, tl.maximum(_split_len(ctx, splits, BLOCK_N), 1))
 
 
 @triton.jit(do_not_specialize=["splits"], do_not_specialize_on_alignment=["ctx_ptr"])
