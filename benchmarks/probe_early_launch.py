@@ -80,8 +80,9 @@ def early(families: list[str] | None, clones: dict):
             setattr(*FAMILIES[f], kernel)
 
 
-def logits_of(engine, forward, families, clones) -> torch.Tensor:
-    with early(families, clones):
+def logits_of(engine, forward, variant) -> torch.Tensor:
+    """The step's logits with its graph captured again inside `variant` (a context manager)."""
+    with variant:
         graph, out = engine.runner._capture_one(forward)
         graph.replay()
         torch.cuda.synchronize()
@@ -105,8 +106,9 @@ def main(argv=None):
         for context in map(int, args.contexts):
             short = context <= 2048
             forward = decode_forward(engine, context, SHORT_SPLITS if short else None, SHORT_BLOCK_N if short else None)
-            ref = logits_of(engine, forward, None, clones)
-            same = {v: bool(torch.equal(logits_of(engine, forward, f, clones), ref)) for v, f in variants.items()}
+            ref = logits_of(engine, forward, early(None, clones))
+            same = {v: bool(torch.equal(logits_of(engine, forward, early(f, clones)), ref))
+                    for v, f in variants.items()}
             timed = interleaved(engine, forward, {v: lambda f=f: early(f, clones) for v, f in variants.items()},
                                 args.rounds)
             out[context] = {v: {**timed[v], "logits_equal": same[v]} for v in variants}

@@ -28,7 +28,7 @@ from bench_h200 import cuda_ms, make_engine, names_from, positive_int
 from llm_anatomy.kernels import gemv
 from llm_anatomy.kernels import stream_gemv as sg
 from probe_decode_parts import decode_forward, interleaved, step_ms
-from probe_early_launch import early
+from probe_early_launch import early, logits_of
 
 LAUNCHES = 36
 SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False), "gate_up": (12288, 4096, True),
@@ -55,12 +55,11 @@ def streaming(on: bool, ring: int | None, stage: int | None):
         sg.STREAM.on, sg.RING_BYTES, sg.STAGE_BYTES = saved
 
 
+@contextlib.contextmanager
 def variant(name: str, clones: dict):
     on, families, ring, stage = VARIANTS[name]
-    stack = contextlib.ExitStack()
-    stack.enter_context(streaming(on, ring, stage))
-    stack.enter_context(early(families, clones))
-    return stack
+    with streaming(on, ring, stage), early(families, clones):
+        yield
 
 
 def section_shapes(dev) -> dict:
@@ -99,14 +98,6 @@ def section_shapes(dev) -> dict:
     return out
 
 
-def logits_of(engine, forward, name, clones) -> torch.Tensor:
-    with variant(name, clones):
-        graph, out = engine.runner._capture_one(forward)
-        graph.replay()
-        torch.cuda.synchronize()
-    return out.clone()
-
-
 def section_step(engine, contexts: list[int], names: list[str], rounds: int) -> dict:
     from llm_anatomy.engine.runner import SHORT_BLOCK_N, SHORT_SPLITS
 
@@ -116,10 +107,10 @@ def section_step(engine, contexts: list[int], names: list[str], rounds: int) -> 
         for context in contexts:
             short = context <= 2048
             forward = decode_forward(engine, context, SHORT_SPLITS if short else None, SHORT_BLOCK_N if short else None)
-            ref = logits_of(engine, forward, "engine", clones)
+            ref = logits_of(engine, forward, variant("engine", clones))
             check = {}
             for name in names:
-                logits = logits_of(engine, forward, name, clones)
+                logits = logits_of(engine, forward, variant(name, clones))
                 check[name] = {"max_abs_diff": (logits - ref).abs().max().item(),
                                "argmax_equal": bool((logits.argmax(-1) == ref.argmax(-1)).all())}
             timed = interleaved(engine, forward, {v: lambda v=v: variant(v, clones) for v in names}, rounds)

@@ -102,7 +102,13 @@ def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
     layout, stream_mlp, step = probes("probe_kv_layout"), probes("probe_stream_mlp"), probes("probe_decode_step")
     early, prefill_gemm = probes("probe_early_launch"), probes("probe_prefill_gemm")
     fusions, gaps = probes("probe_prefill_fusions"), probes("probe_prefill_gaps")
+    stream = probes("probe_stream_gemv")
     for main, argv, message in (
+            (stream.main, ["--sections", "step,nope"], "unknown section nope"),
+            (stream.main, ["--variants", "engine,nope"], "unknown variant nope"),
+            (stream.main, ["--contexts", "1000"], "unknown context 1000"),
+            (stream.main, ["--splits", "33,0"], "want a positive whole number, got '0'"),
+            (stream.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
             (gaps.main, ["--sustained-lengths", "2048,0"], "positive token counts"),
             (gaps.main, ["--lengths", "2k"], "positive token counts"),
             (fusions.main, ["--sections", "residual,qkv"], "unknown section qkv"),
