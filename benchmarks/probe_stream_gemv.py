@@ -35,34 +35,30 @@ SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False), "gate_up": 
           "down": (4096, 12288, False), "lm_head": (151936, 4096, False)}
 ENGINE_FIRST = ["gemv", "split", "norm", "merge"]  # the kernels that launch their successor first (pdl.py)
 # name -> (streaming GEMV on, the kernel families that launch first (None: as the engine decides), the ring's
-# bytes, a stage's bytes, the GEMV blocks a multiprocessor holds at once; None: the engine's)
-VARIANTS = {"engine": (True, None, None, None, None), "triton": (False, None, None, None, None),
-            "stream_norms_wait": (True, ["gemv", "split"], None, None, None),
-            "rope_first": (True, ENGINE_FIRST + ["rope"], None, None, None),
-            "split_waits": (True, ["gemv", "norm", "merge"], None, None, None),
-            "ring_128k": (True, None, 128 * 1024, None, None), "ring_224k": (True, None, 224 * 1024, None, None),
-            "stage_16k": (True, None, None, 16 * 1024, None),
-            # two GEMVs' blocks on a multiprocessor: the next one's streams while this one's drains
-            "two_96k": (True, None, 96 * 1024, None, 2), "two_96k_16k": (True, None, 96 * 1024, 16 * 1024, 2),
-            "two_64k_16k": (True, None, 64 * 1024, 16 * 1024, 2),
-            "three_64k_16k": (True, None, 64 * 1024, 16 * 1024, 3)}
+# bytes, a stage's bytes)
+VARIANTS = {"engine": (True, None, sg.RING_BYTES, sg.STAGE_BYTES), "triton": (False, None, None, None),
+            "stream_norms_wait": (True, ["gemv", "split"], sg.RING_BYTES, sg.STAGE_BYTES),
+            "rope_first": (True, ENGINE_FIRST + ["rope"], sg.RING_BYTES, sg.STAGE_BYTES),
+            "split_waits": (True, ["gemv", "norm", "merge"], sg.RING_BYTES, sg.STAGE_BYTES),
+            "ring_128k": (True, None, 128 * 1024, sg.STAGE_BYTES), "ring_224k": (True, None, 224 * 1024, sg.STAGE_BYTES),
+            "stage_16k": (True, None, sg.RING_BYTES, 16 * 1024)}
 
 
 @contextlib.contextmanager
-def streaming(on: bool, ring: int | None = None, stage: int | None = None, per_sm: int | None = None):
-    saved = sg.STREAM.on, sg.RING_BYTES, sg.STAGE_BYTES, sg.BLOCKS_PER_SM
+def streaming(on: bool, ring: int | None, stage: int | None):
+    saved = sg.STREAM.on, sg.RING_BYTES, sg.STAGE_BYTES
     sg.STREAM.on = on
-    sg.RING_BYTES, sg.STAGE_BYTES, sg.BLOCKS_PER_SM = ring or saved[1], stage or saved[2], per_sm or saved[3]
+    sg.RING_BYTES, sg.STAGE_BYTES = ring or saved[1], stage or saved[2]
     try:
         yield
     finally:
-        sg.STREAM.on, sg.RING_BYTES, sg.STAGE_BYTES, sg.BLOCKS_PER_SM = saved
+        sg.STREAM.on, sg.RING_BYTES, sg.STAGE_BYTES = saved
 
 
 @contextlib.contextmanager
 def variant(name: str, clones: dict):
-    on, families, ring, stage, per_sm = VARIANTS[name]
-    with streaming(on, ring, stage, per_sm), early(families, clones):
+    on, families, ring, stage = VARIANTS[name]
+    with streaming(on, ring, stage), early(families, clones):
         yield
 
 
@@ -77,16 +73,16 @@ def section_shapes(dev) -> dict:
             gate, up = ref[:, :n].bfloat16().float(), ref[:, n:].bfloat16().float()
             ref = (torch.nn.functional.silu(gate).bfloat16().float() * up)
         streamed = sg.stream_gemv(x, w, gated)
-        with streaming(False):
+        with streaming(False, None, None):
             triton_y = gemv.gemv(x, w, gated)
         torch.cuda.synchronize()
         row = {"rel_err_stream": ((streamed.float() - ref).norm() / ref.norm()).item(),
                "rel_err_triton": ((triton_y.float() - ref).norm() / ref.norm()).item(),
                "max_diff_stream_triton": (streamed.float() - triton_y.float()).abs().max().item(),
                "equal_fraction": (streamed == triton_y).float().mean().item()}
-        for kind, setting in (("triton", (False,)), ("stream", (True,)), ("stream_two_96k", (True, 96 * 1024, None, 2))):
-            def chain(setting=setting):
-                with streaming(*setting):
+        for kind, on in (("triton", False), ("stream", True)):
+            def chain(on=on):
+                with streaming(on, None, None):
                     for _ in range(LAUNCHES):
                         gemv.gemv(x, w, gated)
             chain()

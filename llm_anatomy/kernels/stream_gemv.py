@@ -37,8 +37,6 @@ CONSUMERS = 256  # eight warps split K: thread t takes the 16-byte pieces t, t +
 STAGE_BYTES = 32 * 1024  # one bulk copy (two when gated) a stage
 RING_BYTES = 192 * 1024  # leaves the small kernels between GEMVs room to stay resident beside a block
 SHARED_LIMIT = 227 * 1024  # a Hopper block's opt-in maximum
-SM_SHARED = 228 * 1024  # a Hopper multiprocessor's shared memory, of which each resident block also holds 1 KB
-BLOCKS_PER_SM = 1  # >1: rings small enough that the next GEMV's block lands beside this one's and streams early
 # x stays in registers (128 floats a consumer thread at most). Below 2048 columns (Qwen3-0.6B) the products are
 # too small to fill a block per multiprocessor, and were not measured: the Triton GEMV keeps them.
 MIN_K, MAX_K = 2048, 32768
@@ -58,7 +56,7 @@ __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
          + lo(w.z) * x[4] + hi(w.z) * x[5] + lo(w.w) * x[6] + hi(w.w) * x[7];
 }
 
-extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, %(BLOCKS_PER_SM)d)
+extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
 stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x,
             unsigned short* __restrict__ y, int n, int stages) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -151,8 +149,7 @@ def rows_per_stage(n: int, k: int, gated: bool) -> int:
 
 
 def source(n: int, k: int, gated: bool) -> str:
-    return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated), "HALVES": 2 if gated else 1, "CONSUMERS": CONSUMERS,
-                     "BLOCKS_PER_SM": BLOCKS_PER_SM}
+    return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated), "HALVES": 2 if gated else 1, "CONSUMERS": CONSUMERS}
 
 
 def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
@@ -163,8 +160,7 @@ def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
     stage = halves * rows * k * 2
     most_rows = -(-(n // rows) // blocks) * rows
     partial = CONSUMERS // 32 * halves * most_rows * 4
-    block_limit = min(SHARED_LIMIT, SM_SHARED // BLOCKS_PER_SM - 1024)
-    stages = min(RING_BYTES, block_limit - partial - 1024) // stage
+    stages = min(RING_BYTES, SHARED_LIMIT - partial - 1024) // stage
     return stages, stages * (stage + 16) + partial
 
 
