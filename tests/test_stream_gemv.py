@@ -71,6 +71,32 @@ def test_matches_float32_and_triton(n, k, gated, streaming):
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (12288, 4096, True), (9728, 2560, True)])
+def test_norm_in_the_gemv_matches_the_norm_kernel_then_the_gemv(n, k, gated, streaming):
+    """With `norm`, the GEMV adds x to the residual stream, writes the new stream (the residual given is left
+    alone) and multiplies RMSNorm(stream) * weight, as the Triton norm kernel followed by the plain GEMV does."""
+    from llm_anatomy.kernels import norm
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (torch.randn(2 * n if gated else n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    residual = (4 * torch.randn(1, k, device="cuda", generator=g)).bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    before, new_residual = residual.clone(), torch.full_like(residual, float("nan"))
+    assert sg.supports_norm(x, residual, norm_weight)
+    y = sg.stream_gemv(x, w, gated, norm=(residual, new_residual, norm_weight, 1e-6))
+    stream = residual.clone()
+    normed = norm.rmsnorm(x, norm_weight, 1e-6, residual=stream)
+    assert torch.equal(residual, before) and torch.equal(new_residual, stream)
+    ref = reference(normed, w, gated)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 4e-3
+    # the norm's sum of squares in another order than the Triton kernel's may round a few inputs the other way
+    assert (y != sg.stream_gemv(normed, w, gated)).float().mean().item() < 0.02
+    assert torch.equal(sg.stream_gemv(x, w, gated, norm=(residual, new_residual, norm_weight, 1e-6)), y)
+
+
+@cuda
+@pytest.mark.gpu
 def test_chain_in_a_cuda_graph_with_pdl(streaming):
     """Each product waits for the one before (its producer reads weights early, its consumers read x late)."""
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -98,12 +124,20 @@ def test_chain_in_a_cuda_graph_with_pdl(streaming):
 
 @cuda
 @pytest.mark.gpu
-def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, monkeypatch):
-    """A bf16 model whose every decode GEMV streams (K multiples of 2048): the same greedy tokens and logits
-    within bf16 rounding of the engine with the Triton GEMV at batch 1, graphs and programmatic launch on."""
+@pytest.mark.parametrize("norm_in_gemv", [True, False])
+def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, monkeypatch, norm_in_gemv):
+    """A bf16 model whose every decode GEMV streams (K multiples of 2048), the norms before qkv and gate_up inside
+    them or not: the same greedy tokens and logits within bf16 rounding of the engine with the Triton GEMV at
+    batch 1, graphs and programmatic launch on."""
     from llm_anatomy import Engine
+    from llm_anatomy.models import qwen3
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # tiles tuned here stay here
+    monkeypatch.setattr(qwen3, "NORM_IN_GEMV", norm_in_gemv)
+    normed_launches = []
+    real = sg.stream_gemv
+    monkeypatch.setattr(sg, "stream_gemv", lambda *a, **kw: normed_launches.append(kw.get("norm") is not None)
+                        or real(*a, **kw))
     directory, _ = save_tiny(hidden_size=2048, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4,
                              head_dim=128, num_hidden_layers=2, vocab_size=4096, initializer_range=0.02, shard=None)
     out = {}
@@ -123,5 +157,6 @@ def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, 
         out[streaming] = torch.cat(rows), tokens[0].output_token_ids
         del engine
     assert out[True][1] == out[False][1]
+    assert all(normed_launches) and bool(normed_launches) == norm_in_gemv  # qkv and gate_up, but layer 0's qkv
     a, b = out[True][0], out[False][0]
     assert ((a - b).norm() / b.norm()).item() < 2e-2

@@ -17,6 +17,7 @@ Numerics: float32 sums of bf16 products, each output rounded to bf16; gated roun
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -47,10 +48,18 @@ SOURCE = r"""
 #define HALVES %(HALVES)d               // 2: gate_up, the up rows n below the gate rows
 #define STAGE_ELEMS (HALVES * ROWS * K)
 #define CONSUMERS %(CONSUMERS)d
+#define NORMED %(NORMED)d                 // x is a product to add to the residual stream and RMS-normalise first
 #define KP (K / 8)                               // 16-byte pieces of a row
 #define PIECES ((KP + CONSUMERS - 1) / CONSUMERS)  // of them, each consumer thread's (the last may be short)
 #define HAS_PIECE(p) ((p) < PIECES - 1 || KP %% CONSUMERS == 0 || tid < KP %% CONSUMERS)
 """ + STREAM_HELPERS + r"""
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    f[0] = lo(v.x); f[1] = hi(v.x); f[2] = lo(v.y); f[3] = hi(v.y); f[4] = lo(v.z); f[5] = hi(v.z); f[6] = lo(v.w); f[7] = hi(v.w);
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    return make_uint4(rne(f[0]) | rne(f[1]) << 16, rne(f[2]) | rne(f[3]) << 16, rne(f[4]) | rne(f[5]) << 16,
+                      rne(f[6]) | rne(f[7]) << 16);
+}
 __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
     return lo(w.x) * x[0] + hi(w.x) * x[1] + lo(w.y) * x[2] + hi(w.y) * x[3]
          + lo(w.z) * x[4] + hi(w.z) * x[5] + lo(w.w) * x[6] + hi(w.w) * x[7];
@@ -58,12 +67,14 @@ __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
 
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
 stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x,
-            unsigned short* __restrict__ y, int n, int stages) {
+            unsigned short* __restrict__ y, int n, int stages, const unsigned short* __restrict__ res_in,
+            unsigned short* __restrict__ res_out, const unsigned short* __restrict__ norm_w, float eps) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned short* ring = (unsigned short*)smem;
     unsigned long long* full = (unsigned long long*)(ring + (size_t)stages * STAGE_ELEMS);
     unsigned long long* empty = full + stages;
-    float* partial = (float*)(empty + stages);  // [warp][half][row of this block]
+    float* warp_sums = (float*)(empty + stages);  // NORMED: each consumer warp's sum of squares
+    float* partial = warp_sums + CONSUMERS / 32;  // [warp][half][row of this block]
     const int tid = threadIdx.x, warp = tid / 32, lane = tid %% 32;
     const int groups = n / ROWS;
     const int g0 = (int)((long long)blockIdx.x * groups / gridDim.x);
@@ -91,14 +102,45 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
         return;
     }
 
+#if NORMED
+    uint4 nw[PIECES];  // the norm's weight is constant: read before the wait
+    #pragma unroll
+    for (int p = 0; p < PIECES; ++p)
+        nw[p] = HAS_PIECE(p) ? __ldg((const uint4*)(norm_w + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0);
+#endif
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the kernel before's output
     float xf[PIECES * 8];
     #pragma unroll
     for (int p = 0; p < PIECES; ++p) {
         const uint4 v = HAS_PIECE(p) ? __ldcg((const uint4*)(x + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0);
-        xf[p * 8 + 0] = lo(v.x); xf[p * 8 + 1] = hi(v.x); xf[p * 8 + 2] = lo(v.y); xf[p * 8 + 3] = hi(v.y);
-        xf[p * 8 + 4] = lo(v.z); xf[p * 8 + 5] = hi(v.z); xf[p * 8 + 6] = lo(v.w); xf[p * 8 + 7] = hi(v.w);
+        unpack8(v, &xf[p * 8]);
+#if NORMED  // the residual add, rounded to bf16 as HF's; block 0 writes the new residual stream
+        float r[8];
+        unpack8(HAS_PIECE(p) ? __ldcg((const uint4*)(res_in + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0), r);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) xf[p * 8 + j] = round_bf16(xf[p * 8 + j] + r[j]);
+        if (blockIdx.x == 0 && HAS_PIECE(p)) *(uint4*)(res_out + (p * CONSUMERS + tid) * 8) = pack8(&xf[p * 8]);
+#endif
     }
+#if NORMED  // RMSNorm in float32 over the whole row: each block computes it for itself (16 KB read from L2)
+    float ss = 0.f;
+    #pragma unroll
+    for (int i = 0; i < PIECES * 8; ++i) ss += xf[i] * xf[i];
+    ss = warp_sum(ss);
+    if (lane == 0) warp_sums[warp] = ss;
+    asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");
+    float total = 0.f;
+    #pragma unroll
+    for (int k = 0; k < CONSUMERS / 32; ++k) total += warp_sums[k];
+    const float inv = rsqrtf(total / K + eps);
+    #pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+        float wf[8];
+        unpack8(nw[p], wf);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) xf[p * 8 + j] = round_bf16(round_bf16(xf[p * 8 + j] * inv) * wf[j]);
+    }
+#endif
     for (int g = g0, it = 0; g < g1; ++g, ++it) {
         const int slot = it %% stages, round = it / stages;
         mbar_wait(smem_addr(&full[slot]), round & 1);
@@ -148,8 +190,9 @@ def rows_per_stage(n: int, k: int, gated: bool) -> int:
     return next(r for r in range(most, 0, -1) if n % r == 0)
 
 
-def source(n: int, k: int, gated: bool) -> str:
-    return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated), "HALVES": 2 if gated else 1, "CONSUMERS": CONSUMERS}
+def source(n: int, k: int, gated: bool, normed: bool = False) -> str:
+    return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated), "HALVES": 2 if gated else 1, "CONSUMERS": CONSUMERS,
+                     "NORMED": int(normed)}
 
 
 def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
@@ -159,7 +202,7 @@ def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
     halves = 2 if gated else 1
     stage = halves * rows * k * 2
     most_rows = -(-(n // rows) // blocks) * rows
-    partial = CONSUMERS // 32 * halves * most_rows * 4
+    partial = CONSUMERS // 32 * (halves * most_rows + 1) * 4  # and the warps' sums of squares
     stages = min(RING_BYTES, SHARED_LIMIT - partial - 1024) // stage
     return stages, stages * (stage + 16) + partial
 
@@ -195,14 +238,28 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> bool:
             and plan(n, k, gated, sm_count(x.device))[0] >= 2)
 
 
-def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T -> [1, N] (bf16); with gated, weight = [gate; up] and the result SiLU(gate) * up."""
+def supports_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether the GEMV can add x to the residual stream and RMS-normalise it itself (stream_gemv's `norm`): the
+    stream and the norm's weight one row of x's dtype, contiguous, in 16-byte pieces."""
+    return all(t.dtype == x.dtype and t.is_cuda and t.is_contiguous() and t.numel() == x.shape[1]
+               and t.data_ptr() % 16 == 0 for t in (x, residual, norm_weight))
+
+
+def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
+                norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T -> [1, N] (bf16); with gated, weight = [gate; up] and the result SiLU(gate) * up.
+    With norm = (residual, new_residual, norm_weight, eps), the product is of RMSNorm(x + residual) * norm_weight
+    instead (rounded as HF rounds), and new_residual receives x + residual: the norm kernel before a GEMV, done by
+    the GEMV's consumers (see supports_norm)."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
     blocks = sm_count(x.device)
     stages, shared = plan(n, k, gated, blocks)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    null = ctypes.c_void_p(0)
+    residual, new_residual, norm_weight, eps = norm or (null, null, null, 0.0)
     with torch.cuda.device(x.device):  # the kernel's module and the stream are those of x's device
-        kernel = compile_kernel(source(n, k, gated), "stream_gemv", x.device.index, SHARED_LIMIT)
-        launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages], pdl=PDL.on, shared=shared)
+        kernel = compile_kernel(source(n, k, gated, norm is not None), "stream_gemv", x.device.index, SHARED_LIMIT)
+        launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages, residual, new_residual, norm_weight,
+                                                float(eps)], pdl=PDL.on, shared=shared)
     return y

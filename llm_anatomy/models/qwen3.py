@@ -7,6 +7,8 @@ to one, except the fused projections: qkv_proj = [q_proj; k_proj; v_proj], gate_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,9 +17,9 @@ from .attention import AttentionBatch, attend, prefill_step_attention
 from .config import ModelConfig
 
 try:  # the fast path's kernels; without Triton the model runs the PyTorch path only
-    from ..kernels import gemv, matmul, norm
+    from ..kernels import gemv, matmul, norm, stream_gemv
     from ..kernels.activation import silu_mul
-    from ..kernels.decode_attention import paged_decode_attention
+    from ..kernels.decode_attention import ROPE_IN_ATTENTION, paged_decode_attention, paged_decode_attention_qkv
     from ..kernels.rope import qk_norm_rope_store
 except ImportError:
     pass
@@ -49,12 +51,47 @@ def enable_fast_path(model: nn.Module, on: bool = True) -> None:
             m.fast = on
 
 
-def linear(x: torch.Tensor, layer: nn.Linear, fast: bool) -> torch.Tensor:
-    """A linear layer; on the fast path a skinny product (decode) runs the bandwidth-tuned GEMV kernel."""
-    if fast and gemv.supports(x, layer.weight):
+# Batch-1 decode: the streaming GEMV after a norm (qkv, gate_up) computes the residual add and the norm itself, from
+# the product before and the residual stream (stream_gemv.py), which takes the norm's kernel and one wait out of
+# the step's chain of dependent kernels.
+NORM_IN_GEMV = True
+
+
+@dataclass
+class PendingNorm:
+    """RMSNorm(x + residual), left for the product after it to compute (NORM_IN_GEMV). `new_residual` receives the
+    new residual stream either way: every block of that GEMV reads `residual`, so it cannot be updated in place."""
+    x: torch.Tensor
+    residual: torch.Tensor
+    layernorm: RMSNorm
+    new_residual: torch.Tensor
+
+    def product(self, weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+        """The norm and the product by one streaming GEMV, where it takes them; else None (see normed)."""
+        if not (stream_gemv.supports(self.x, weight, gated)
+                and stream_gemv.supports_norm(self.x, self.residual, self.layernorm.weight)):
+            return None
+        return stream_gemv.stream_gemv(self.x, weight, gated, norm=(self.residual, self.new_residual,
+                                                                    self.layernorm.weight, self.layernorm.eps))
+
+    def normed(self) -> torch.Tensor:
+        """The norm by its own kernel, for a product that does not take it."""
+        self.new_residual.copy_(self.residual)
+        return norm.rmsnorm(self.x, self.layernorm.weight, self.layernorm.eps, residual=self.new_residual)
+
+
+def linear(x: torch.Tensor | PendingNorm, layer: nn.Linear, fast: bool) -> torch.Tensor:
+    """A linear layer; on the fast path a skinny product (decode) runs the bandwidth-tuned GEMV kernel, and the
+    norm before it too where that was left pending."""
+    if isinstance(x, PendingNorm):
+        y = x.product(layer.weight)
+        if y is None:
+            return linear(x.normed(), layer, fast)
+    elif fast and gemv.supports(x, layer.weight):
         y = gemv.gemv(x, layer.weight)
-        return y if layer.bias is None else y + layer.bias
-    return layer(x)
+    else:
+        return layer(x)
+    return y if layer.bias is None else y + layer.bias
 
 
 # Prefill's products that feed the residual stream (o_proj, down_proj) add into it in cuBLAS's epilogue (beta = 1),
@@ -88,9 +125,15 @@ class RMSNorm(nn.Module, FastPath):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
-    def add_forward(self, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor | None, residual: torch.Tensor,
+                    defer: bool = False) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
         """Residual add (in the model dtype, as HF does) followed by the norm: returns (normed, new residual).
-        x None: the product was already added into the residual (see residual_linear)."""
+        x None: the product was already added into the residual (see residual_linear). With defer, a single bf16
+        row that the streaming GEMV takes comes back as a PendingNorm, for the product after the norm."""
+        if (defer and self.fast and NORM_IN_GEMV and x is not None
+                and stream_gemv.streams(x.shape[0], x.shape[1], x.dtype)):
+            pending = PendingNorm(x, residual, self, torch.empty_like(residual))
+            return pending, pending.new_residual
         if x is None:
             return self.forward(residual), residual
         if self.fast:  # one kernel; the residual is updated in place
@@ -135,8 +178,9 @@ class Attention(nn.Module, FastPath):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, batch: AttentionBatch,
                 residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The attention's output; None where it was added into `residual` (see residual_linear)."""
-        tokens = x.shape[0]
+        """The attention's output; None where it was added into `residual` (see residual_linear). x may be a
+        PendingNorm (see linear)."""
+        tokens = positions.shape[0]
         qkv = linear(x, self.qkv_proj, self.fast)
         if self.fast:
             out = self._fast_attention(qkv, positions, rotary, batch)
@@ -152,15 +196,18 @@ class Attention(nn.Module, FastPath):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch) -> torch.Tensor:
-        """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel. (In
-        the epilogue of a Triton qkv GEMM, prefill's QK-norm + RoPE + store was slower: benchmarks/RESULTS.md.)"""
+        """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel; a decode
+        step does the first inside the second's kernel (decode_attention.ROPE_IN_ATTENTION). (In the epilogue of a
+        Triton qkv GEMM, prefill's QK-norm + RoPE + store was slower: benchmarks/RESULTS.md.)"""
         k_cache, v_cache = batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx]
-        out = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                                 self.q_norm.weight if self.qk_norm else None,
-                                 self.k_norm.weight if self.qk_norm else None,
-                                 self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
-                                 batch.slot_mapping, k_cache, v_cache, kv_out=batch.is_prefill)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        rope = (qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norms, rotary.cos, rotary.sin, positions,
+                batch.slot_mapping, k_cache, v_cache)
         scale = self.head_dim ** -0.5
+        if not batch.is_prefill and ROPE_IN_ATTENTION.on:
+            return paged_decode_attention_qkv(*rope, batch.block_tables, batch.context_lens, scale,
+                                              splits=batch.decode_splits, block_n=batch.decode_block_n)
+        out = qk_norm_rope_store(*rope, kv_out=batch.is_prefill)
         if not batch.is_prefill:
             return paged_decode_attention(out, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
                                           splits=batch.decode_splits, block_n=batch.decode_block_n)
@@ -176,18 +223,26 @@ class MLP(nn.Module, FastPath):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The MLP's output; None where it was added into `residual` (see residual_linear)."""
+        """The MLP's output; None where it was added into `residual` (see residual_linear). x may be a
+        PendingNorm (see linear)."""
         if self.fast:
-            w = self.gate_up_proj.weight
-            if gemv.supports(x, w):  # decode: SiLU*up fused into the gate_up GEMV
-                act = gemv.gemv(x, w, gated=True)
-            elif matmul.supports_gated(x, w):  # a long prefill: SiLU*up in the GEMM's epilogue
-                act = matmul.matmul(x, w, matmul.GATED_TILE, gated=True)
-            else:
-                act = silu_mul(self.gate_up_proj(x))
-            return residual_linear(act, self.down_proj, True, residual)
+            return residual_linear(self._fast_activation(x), self.down_proj, True, residual)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def _fast_activation(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """SiLU(gate) * up, in the gate_up product's kernel where it can be."""
+        w = self.gate_up_proj.weight
+        if isinstance(x, PendingNorm):  # decode, batch 1: the norm, the GEMV and SiLU*up in one kernel
+            act = x.product(w, gated=True)
+            if act is not None:
+                return act
+            x = x.normed()
+        if gemv.supports(x, w):  # decode: SiLU*up fused into the gate_up GEMV
+            return gemv.gemv(x, w, gated=True)
+        if matmul.supports_gated(x, w):  # a long prefill: SiLU*up in the GEMM's epilogue
+            return matmul.matmul(x, w, matmul.GATED_TILE, gated=True)
+        return silu_mul(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -202,9 +257,9 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm.add_forward(x, residual)
+            x, residual = self.input_layernorm.add_forward(x, residual, defer=True)
         x = self.self_attn(x, positions, rotary, batch, residual)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual, defer=True)
         return self.mlp(x, residual), residual
 
 
