@@ -9,9 +9,7 @@ batch-1 decode step?
   interleaved over rounds: the engine as it is (the streaming GEMV; the RMSNorms and the attention's merge, which
   feed one, launch it before they wait, so that its blocks land as the GEMV before leaves), `triton` (the Triton
   GEMV at batch 1, as before), variants of the launch order, the ring's size and the stage's size, and the
-  engine with its norm or RoPE fusions undone (VARIANTS). Logits against the engine's (the step stores nothing,
-  slot -1, so with RoPE apart the newest token's key and value are read from the cache as it was: expect a
-  difference there; the tests check those fusions).
+  norms before qkv and gate_up in kernels of their own again (VARIANTS). Logits against the engine's.
 
     python3 benchmarks/probe_stream_gemv.py --out $OUT/stream_gemv.json
 """
@@ -27,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bench_h200 import cuda_ms, make_engine, names_from, positive_int
-from llm_anatomy.kernels import decode_attention, gemv
+from llm_anatomy.kernels import gemv
 from llm_anatomy.kernels import stream_gemv as sg
 from llm_anatomy.models import qwen3
 from probe_decode_parts import decode_forward, interleaved, step_ms
@@ -38,18 +36,15 @@ SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False), "gate_up": 
           "down": (4096, 12288, False), "lm_head": (151936, 4096, False)}
 ENGINE_FIRST = ["gemv", "split", "norm", "merge"]  # the kernels that launch their successor first (pdl.py)
 # name -> (streaming GEMV on, the kernel families that launch first (None: as the engine decides), the ring's
-# bytes, a stage's bytes, fusions turned off: "norm" (the norms before qkv and gate_up in their GEMVs,
-# qwen3.NORM_IN_GEMV), "rope" (QK-norm, RoPE and the K/V store in the attention, ROPE_IN_ATTENTION))
-VARIANTS = {"engine": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, ()), "triton": (False, None, None, None, ()),
-            "stream_norms_wait": (True, ["gemv", "split"], sg.RING_BYTES, sg.STAGE_BYTES, ()),
-            "rope_first": (True, ENGINE_FIRST + ["rope"], sg.RING_BYTES, sg.STAGE_BYTES, ()),
-            "split_waits": (True, ["gemv", "norm", "merge"], sg.RING_BYTES, sg.STAGE_BYTES, ()),
-            "ring_128k": (True, None, 128 * 1024, sg.STAGE_BYTES, ()),
-            "ring_224k": (True, None, 224 * 1024, sg.STAGE_BYTES, ()),
-            "stage_16k": (True, None, sg.RING_BYTES, 16 * 1024, ()),
-            "norms_apart": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, ("norm",)),
-            "rope_apart": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, ("rope",)),
-            "both_apart": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, ("norm", "rope"))}
+# bytes, a stage's bytes, and whether the norms before qkv and gate_up run in their GEMVs (qwen3.NORM_IN_GEMV))
+VARIANTS = {"engine": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, True), "triton": (False, None, None, None, True),
+            "stream_norms_wait": (True, ["gemv", "split"], sg.RING_BYTES, sg.STAGE_BYTES, True),
+            "rope_first": (True, ENGINE_FIRST + ["rope"], sg.RING_BYTES, sg.STAGE_BYTES, True),
+            "split_waits": (True, ["gemv", "norm", "merge"], sg.RING_BYTES, sg.STAGE_BYTES, True),
+            "ring_128k": (True, None, 128 * 1024, sg.STAGE_BYTES, True),
+            "ring_224k": (True, None, 224 * 1024, sg.STAGE_BYTES, True),
+            "stage_16k": (True, None, sg.RING_BYTES, 16 * 1024, True),
+            "norms_apart": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, False)}
 
 
 @contextlib.contextmanager
@@ -64,19 +59,19 @@ def streaming(on: bool, ring: int | None, stage: int | None):
 
 
 @contextlib.contextmanager
-def fusions(off: tuple[str, ...]):
-    saved = qwen3.NORM_IN_GEMV, decode_attention.ROPE_IN_ATTENTION.on
-    qwen3.NORM_IN_GEMV, decode_attention.ROPE_IN_ATTENTION.on = "norm" not in off, "rope" not in off
+def norm_in_gemv(on: bool):
+    saved = qwen3.NORM_IN_GEMV
+    qwen3.NORM_IN_GEMV = on
     try:
         yield
     finally:
-        qwen3.NORM_IN_GEMV, decode_attention.ROPE_IN_ATTENTION.on = saved
+        qwen3.NORM_IN_GEMV = saved
 
 
 @contextlib.contextmanager
 def variant(name: str, clones: dict):
-    on, families, ring, stage, off = VARIANTS[name]
-    with streaming(on, ring, stage), early(families, clones), fusions(off):
+    on, families, ring, stage, norms_in = VARIANTS[name]
+    with streaming(on, ring, stage), early(families, clones), norm_in_gemv(norms_in):
         yield
 
 

@@ -16,7 +16,7 @@ if not use_kernels(DEVICE):
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from llm_anatomy.kernels.activation import silu_mul, silu_mul_reference  # noqa: E402
-from llm_anatomy.kernels.decode_attention import paged_decode_attention, paged_decode_attention_qkv  # noqa: E402
+from llm_anatomy.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from llm_anatomy.kernels.gemv import gemv  # noqa: E402
 from llm_anatomy.kernels.norm import rmsnorm, rmsnorm_reference  # noqa: E402
 from llm_anatomy.kernels.rope import qk_norm_rope_store  # noqa: E402
@@ -55,24 +55,17 @@ def test_silu_mul(dtype):
     assert rel(silu_mul(gu), silu_mul_reference(gu)) < TOL[dtype]
 
 
-def rotary_for(heads, kv_heads, d):
-    """The model's RoPE tables (float32 cos/sin, 4096 positions) for a tiny Qwen3 config."""
-    from llm_anatomy.models.config import ModelConfig
-    from llm_anatomy.models.qwen3 import RotaryEmbedding
-
-    config = ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
-                                  "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-                                  "head_dim": d, "max_position_embeddings": 4096, "rope_theta": 10000.0})
-    return RotaryEmbedding(config).to(DEVICE)
-
-
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("tokens", [5, 2100])  # a decode batch (a program per token), a prefill (blocks of 32)
 def test_qk_norm_rope_store(norm, tokens):
-    from llm_anatomy.models.qwen3 import RMSNorm
+    from llm_anatomy.models.config import ModelConfig
+    from llm_anatomy.models.qwen3 import RMSNorm, RotaryEmbedding
 
     heads, kv_heads, d, eps = 4, 2, 32, 1e-6
-    rotary = rotary_for(heads, kv_heads, d)
+    config = ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                                  "head_dim": d, "max_position_embeddings": 4096, "rope_theta": 10000.0})
+    rotary = RotaryEmbedding(config).to(DEVICE)
     qkv = rand(tokens, (heads + 2 * kv_heads) * d)
     qn, kn = RMSNorm(d, eps).to(DEVICE), RMSNorm(d, eps).to(DEVICE)
     with torch.no_grad():
@@ -128,53 +121,6 @@ def test_paged_decode_attention(dtype, splits, block_n, head_major):
     ref = decode_attention(q[:3], k_cache, v_cache, tables[:3], lens[:3])
     assert rel(out[:3], ref) < TOL[dtype]
     assert out[3].abs().sum() == 0
-
-
-FIVE = [1, 33, 17, 0, 100]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits,block_n,context", [(1, 16, FIVE), (3, 16, FIVE), (8, 16, FIVE), (None, None, FIVE),
-                                                    (3, 16, [33, 0]), (8, 16, [17, 0])])
-@pytest.mark.parametrize("norm,head_major", [(True, False), (False, True)])  # Qwen3; Qwen2 (no QK-norm)
-def test_paged_decode_attention_qkv(dtype, splits, block_n, context, norm, head_major):
-    """The decode step's fused QK-norm + RoPE + K/V store + attention against rope.py's kernel then the unfused
-    attention: same output, and the same caches after (the new tokens' slots written, nothing else). With 16-token
-    tiles, 33 and 17 tokens put the newest token first in its split (3 and 8 splits), and 8 splits outnumber
-    what 1, 17 or 33 tokens fill; 0: a padded row (slot -1)."""
-    heads, kv_heads, d, page, pages, eps = 8, 2, 32, 4, 40, 1e-6
-    batch = len(context)
-    rotary = rotary_for(heads, kv_heads, d)
-    qkv = rand(batch, (heads + 2 * kv_heads) * d, dtype=dtype, seed=2)
-    qn, kn = (rand(d, dtype=dtype, seed=3), rand(d, dtype=dtype, seed=4)) if norm else (None, None)
-    perm = torch.randperm(pages, generator=torch.Generator().manual_seed(0))
-    tables = torch.zeros(batch, 25, dtype=torch.int32)
-    used = 0
-    for row, n in enumerate(context):
-        n_pages = -(-n // page)
-        tables[row, :n_pages] = perm[used:used + n_pages]
-        used += n_pages
-    last = torch.tensor([max(n - 1, 0) for n in context])
-    slots = torch.where(torch.tensor(context) > 0, tables[torch.arange(batch), last // page] * page + last % page, -1)
-    tables, lens = tables.to(DEVICE), torch.tensor(context, dtype=torch.int32, device=DEVICE)
-    positions, slots = last.to(DEVICE), slots.to(DEVICE)
-    k_ref, v_ref = rand(pages, page, kv_heads, d, dtype=dtype), rand(pages, page, kv_heads, d, dtype=dtype, seed=1)
-    k_fused, v_fused = k_ref.clone(), v_ref.clone()
-    if head_major:  # the same values stored [kv_heads, pages, page, d]
-        k_fused, v_fused = (c.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for c in (k_fused, v_fused))
-    rope = (qkv, heads, kv_heads, d, qn, kn, eps, rotary.cos, rotary.sin, positions, slots)
-    attention = (tables, lens, 1 / math.sqrt(d))
-    q = qk_norm_rope_store(*rope, k_ref, v_ref)
-    ref = paged_decode_attention(q, k_ref, v_ref, *attention, splits=splits, block_n=block_n)
-    out = paged_decode_attention_qkv(*rope, k_fused, v_fused, *attention, splits=splits, block_n=block_n)
-    assert out.dtype == dtype and rel(out, ref) < (TOL[dtype] if dtype != torch.float32 else 1e-6)
-    assert out[torch.tensor(context) == 0].abs().sum() == 0
-    assert torch.equal(v_fused, v_ref)
-    new = slots[slots >= 0]
-    flat_k, flat_ref = k_fused.reshape(-1, kv_heads, d), k_ref.view(-1, kv_heads, d)
-    assert rel(flat_k[new], flat_ref[new]) < TOL[dtype]
-    flat_k[new] = flat_ref[new]
-    assert torch.equal(flat_k, flat_ref)  # nothing else written
 
 
 @pytest.mark.parametrize("rows", [1, 3])

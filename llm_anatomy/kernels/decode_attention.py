@@ -9,11 +9,6 @@ tile (BLOCK_N tokens) does not depend on the page size. Only each sequence's val
 (Merging in the last-arriving program of the first kernel, through an atomic counter, saves a launch but
 was slower on the H200: 15 us a layer against 7.4 for the two kernels, its merge being a serial chain of
 loads. benchmarks/results/2026-11-29_bench_run3.json, section attn.)
-
-A decode step calls paged_decode_attention_qkv: the split kernel itself QK-norms and rotates its group's
-query heads straight from the qkv projection's output, and the program whose split holds the newest token
-also makes that token's key, stores it and the value into the cache, and folds it into its softmax from
-registers; that removes rope.py's kernel, and the wait before the attention, from every layer of the step.
 """
 
 import torch
@@ -27,15 +22,6 @@ from .stream_gemv import streams
 # Tile and pipelining: the best of benchmarks/bench_h200.py's section attn at 32k context on the H200
 # (at 512 tokens all configs were within 10%). Any config is correct.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
-
-
-class _Switch:
-    on = True
-
-
-# Whether a decode step's QK-norm + RoPE + K/V store run inside the attention (paged_decode_attention_qkv) rather
-# than in rope.py's kernel before it; models/qwen3.py consults it at each call, so a probe can time both.
-ROPE_IN_ATTENTION = _Switch()
 
 
 def merge_warps(splits_pad: int, head_dim: int) -> int:
@@ -79,43 +65,13 @@ def _split_len(ctx, splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
 
 
-@triton.jit
-def _head_pairs(row_ptr, heads, hmask, partner, HEAD_DIM: tl.constexpr):
-    """Heads [R] of one token's qkv row, [R, HEAD_DIM] twice: as stored, and each element's rotate-half partner
-    (d + D/2) % D, a second load of the same bytes (a cache hit) rather than the two halves concatenated, so
-    that the rotated head comes out whole, the tile tl.dot takes."""
-    ptrs = row_ptr + heads[:, None] * HEAD_DIM
-    x = tl.load(ptrs + tl.arange(0, HEAD_DIM)[None, :], mask=hmask[:, None], other=0.0)
-    return x, tl.load(ptrs + partner[None, :], mask=hmask[:, None], other=0.0)
-
-
-@triton.jit
-def _norm_rope(x, p, w, wp, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Heads x [R, HEAD_DIM] QK-normed (weights w, and wp at the partners p) and rotated (cos/sin [HEAD_DIM] at the
-    token's position), rounded to x's dtype where rope.py rounds: the normalised value, its product with the
-    weight, the rotated value."""
-    dtype = x.dtype
-    a = x.to(tl.float32)
-    b = p.to(tl.float32)
-    if HAS_NORM:
-        inv = tl.rsqrt(tl.sum(a * a, axis=1) / HEAD_DIM + eps)[:, None]
-        a = ((a * inv).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
-        b = ((b * inv).to(dtype).to(tl.float32) * wp[None, :]).to(dtype).to(tl.float32)
-    first = (tl.arange(0, HEAD_DIM) < HEAD_DIM // 2)[None, :]
-    return tl.where(first, a * cos[None, :] - b * sin[None, :], a * cos[None, :] + b * sin[None, :]).to(dtype)
-
-
 # The block tables' width, the split count and where the step's integers sit change from step to step: no
-# specialising on them, so that an eager step of a new shape does not compile a kernel. The arguments after
-# USE_PDL are the fused decode's (paged_decode_attention_qkv); left at their defaults, q_ptr is the queries.
-@triton.jit(do_not_specialize=["stride_tb", "splits"],
-            do_not_specialize_on_alignment=["table_ptr", "ctx_ptr", "pos_ptr", "slot_ptr"])
+# specialising on them, so that an eager step of a new shape does not compile a kernel.
+@triton.jit(do_not_specialize=["stride_tb", "splits"], do_not_specialize_on_alignment=["table_ptr", "ctx_ptr"])
 def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
                   stride_qb, stride_qh, stride_tb, stride_slot, stride_head, n_kv_heads, page_size, splits,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, USE_PDL: tl.constexpr, pos_ptr=None, slot_ptr=None, cos_ptr=None,
-                  sin_ptr=None, qn_ptr=None, kn_ptr=None, eps=0.0, FUSED_QKV: tl.constexpr = False,
-                  HAS_NORM: tl.constexpr = False):
+                  IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -129,56 +85,15 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     # A split past the context (more splits than a short context fills) leaves at once, before its wait; the
     # merge reads only the splits that hold tokens.
     if start < ctx:
-        if FUSED_QKV:
-            # Likewise the step's positions and slots, and the model's RoPE tables and norm weights, so that after
-            # the wait only the qkv row is waited for. (Read after it, the position-then-table chain of loads
-            # delayed every program's first tile: in a micro-benchmark of 36 layers on the H200 the fused kernels
-            # were then slower than rope.py's kernel and the unfused ones together.)
-            half: tl.constexpr = HEAD_DIM // 2
-            partner = (tl.arange(0, HEAD_DIM) + half) % HEAD_DIM
-            pos = tl.load(pos_ptr + b)
-            slot = tl.load(slot_ptr + b)
-            rot = pos.to(tl.int64) * half + tl.arange(0, HEAD_DIM) % half
-            cos = tl.load(cos_ptr + rot)
-            sin = tl.load(sin_ptr + rot)
-            wq = tl.load(qn_ptr + tl.arange(0, HEAD_DIM)).to(tl.float32)
-            wq_p = tl.load(qn_ptr + partner).to(tl.float32)
-            wk = tl.load(kn_ptr + tl.arange(0, HEAD_DIM)).to(tl.float32)
-            wk_p = tl.load(kn_ptr + partner).to(tl.float32)
         gdc_enter(USE_PDL, LAUNCH_FIRST=True)  # see pdl.py
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + g
         gmask = g < GROUP
-        if FUSED_QKV:  # q_ptr: the qkv projection's output, a row per sequence
-            # The newest token's key and value only where this split holds it (end == ctx), loaded with the queries
-            n_heads = n_kv_heads * GROUP
-            last = (tl.zeros([1], tl.int32) + end) == ctx
-            k_head = tl.zeros([1], tl.int32) + n_heads + kvh
-            row = q_ptr + b * stride_qb
-            k, k_p = _head_pairs(row, k_head, last, partner, HEAD_DIM)
-            v = tl.load(row + (k_head + n_kv_heads)[:, None] * HEAD_DIM + d[None, :], mask=last[:, None], other=0.0)
-            q, q_p = _head_pairs(row, heads, gmask, partner, HEAD_DIM)
-            q = _norm_rope(q, q_p, wq, wq_p, cos, sin, eps, HEAD_DIM, HAS_NORM)
-        else:
-            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None],
-                        other=0.0)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        if FUSED_QKV:
-            if end == ctx:
-                # The newest token (position ctx - 1), which only this program reads: its key and value are
-                # stored for later steps and taken from registers here, where they start the softmax (weight
-                # exp(0) = 1), so that the tiles need not wait for the store to land.
-                k = _norm_rope(k, k_p, wk, wk_p, cos, sin, eps, HEAD_DIM, HAS_NORM)
-                dst = slot * stride_slot + kvh * stride_head + d[None, :]
-                tl.store(k_ptr + dst, k.to(k_ptr.dtype.element_ty), mask=slot >= 0)  # -1: stored nowhere
-                tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty), mask=slot >= 0)
-                m = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * scale
-                l = tl.full([GROUP_PAD], 1.0, tl.float32)
-                acc = acc + v.to(tl.float32)
-                end = ctx - 1  # the tiles stop before it
         for n0 in range(start, end, BLOCK_N):
             m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
                                      stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
@@ -229,36 +144,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables [B, max_pages] int32; context_lens [B] int32 (0 for a padded row, which then gets zeros)
     -> [B, H, D]."""
     batch, n_heads, head_dim = q.shape
-    return _launch(q, q.stride(0), q.stride(1), batch, n_heads, head_dim, k_cache, v_cache, block_tables,
-                   context_lens, scale, splits, block_n, num_warps, num_stages, {})
-
-
-def paged_decode_attention_qkv(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
-                               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                               slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               splits: int | None = None, block_n: int | None = None, num_warps: int = NUM_WARPS,
-                               num_stages: int = NUM_STAGES) -> torch.Tensor:
-    """A decode step's attention straight from the qkv projection: rope.qk_norm_rope_store (which stores this
-    step's K and V into the cache) then paged_decode_attention, in the latter's kernels. qkv [B, (H + 2 KVH) x D],
-    one token per sequence at positions [B] (its context's last, context_lens - 1), stored at slot_mapping [B]
-    (-1: nowhere, a padded row with context 0); cos/sin float32 [positions, D / 2]; q_norm/k_norm [D] or None.
-    -> [B, H, D]."""
-    batch = qkv.shape[0]
-    assert qkv.shape[1] == (n_heads + 2 * n_kv_heads) * head_dim and qkv.stride(1) == 1
-    assert k_cache.shape[2] == n_kv_heads and k_cache.shape[3] == head_dim and head_dim % 2 == 0
-    has_norm = q_norm is not None  # without, the kernel reads (and ignores) weights from cos: any valid address
-    fused = dict(pos_ptr=positions, slot_ptr=slot_mapping, cos_ptr=cos, sin_ptr=sin,
-                 qn_ptr=q_norm if has_norm else cos, kn_ptr=k_norm if has_norm else cos, eps=eps, FUSED_QKV=True,
-                 HAS_NORM=has_norm)
-    return _launch(qkv, qkv.stride(0), head_dim, batch, n_heads, head_dim, k_cache, v_cache, block_tables,
-                   context_lens, scale, splits, block_n, num_warps, num_stages, fused)
-
-
-def _launch(q, stride_qb, stride_qh, batch, n_heads, head_dim, k_cache, v_cache, block_tables, context_lens, scale,
-            splits, block_n, num_warps, num_stages, fused: dict) -> torch.Tensor:
-    """The split and merge kernels; q (queries, or with `fused` the qkv rows) in the dtype of the output."""
     n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     # slots are flat (page x page_size + position); any order of the head and slot dimensions is read
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K and V caches laid out alike"
@@ -269,12 +154,12 @@ def _launch(q, stride_qb, stride_qh, batch, n_heads, head_dim, k_cache, v_cache,
     acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, stride_qb, stride_qh,
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages, **fused)
-    out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
+        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
+    out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
     _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, context_lens, out, out.stride(0), out.stride(1), n_heads,
                                     splits, SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_N=block_n, USE_PDL=PDL.on,

@@ -19,7 +19,7 @@ from .config import ModelConfig
 try:  # the fast path's kernels; without Triton the model runs the PyTorch path only
     from ..kernels import gemv, matmul, norm, stream_gemv
     from ..kernels.activation import silu_mul
-    from ..kernels.decode_attention import ROPE_IN_ATTENTION, paged_decode_attention, paged_decode_attention_qkv
+    from ..kernels.decode_attention import paged_decode_attention
     from ..kernels.rope import qk_norm_rope_store
 except ImportError:
     pass
@@ -196,18 +196,15 @@ class Attention(nn.Module, FastPath):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch) -> torch.Tensor:
-        """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel; a decode
-        step does the first inside the second's kernel (decode_attention.ROPE_IN_ATTENTION). (In the epilogue of a
-        Triton qkv GEMM, prefill's QK-norm + RoPE + store was slower: benchmarks/RESULTS.md.)"""
+        """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel. (In
+        the epilogue of a Triton qkv GEMM, prefill's QK-norm + RoPE + store was slower: benchmarks/RESULTS.md.)"""
         k_cache, v_cache = batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx]
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        rope = (qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norms, rotary.cos, rotary.sin, positions,
-                batch.slot_mapping, k_cache, v_cache)
+        out = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                 self.q_norm.weight if self.qk_norm else None,
+                                 self.k_norm.weight if self.qk_norm else None,
+                                 self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
+                                 batch.slot_mapping, k_cache, v_cache, kv_out=batch.is_prefill)
         scale = self.head_dim ** -0.5
-        if not batch.is_prefill and ROPE_IN_ATTENTION.on:
-            return paged_decode_attention_qkv(*rope, batch.block_tables, batch.context_lens, scale,
-                                              splits=batch.decode_splits, block_n=batch.decode_block_n)
-        out = qk_norm_rope_store(*rope, kv_out=batch.is_prefill)
         if not batch.is_prefill:
             return paged_decode_attention(out, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
                                           splits=batch.decode_splits, block_n=batch.decode_block_n)
