@@ -67,6 +67,13 @@ def test_render_tables_targets_ratios_and_protocol():
     assert row["TTFT, chat prompt (HF: a 128-token prefill alone)"].endswith("| no |")
     assert row["anatomy on vs off"].startswith("| anatomy on vs off | <= 2 % of TPOT | +0.10% |")
     assert "| 30720 | 2400.0 | 24,767 | 430.0 | 832.67 | 208.98 |" in lines
+    assert not any("power limit" in line for line in lines)  # no sustained rate measured
+    results["env"] = {"sustained_matmul": {"tflops": 680.4, "n": 8192, "seconds": 2.0}}
+    results["ours"] |= {"prefill_2048_sustained_floor_ms": 44.0, "prefill_8192_sustained_floor_ms": 171.0}
+    assert [line for line in bench.render_tables(results).splitlines() if "power limit" in line] == [(
+        "The floor column is at the burst matmul rate. Under the power limit (bf16 8192^3 products back to back: "
+        "680 TFLOP/s after the first 1 s) the back-to-back prefills' floors are 44.00 ms (2048 tokens, this engine "
+        "at 88%) and 171.00 ms (8192 tokens, this engine at 90%).")]
     assert bench.render_tables({}) == "(no section with a target ran)"
 
 
