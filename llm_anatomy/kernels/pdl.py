@@ -15,6 +15,8 @@ while the GEMV before the norm still streams) or 0.05 ms at 32k when given to QK
 the streaming batch-1 GEMV (stream_gemv.py: the norms, the attention's merge) does launch first: that GEMV's
 blocks cannot share a multiprocessor with the one before, so they land as it leaves, and start reading weights
 there (3.88 against 4.00 ms a step at 512 tokens, 5.05 against 5.21 at 32k: benchmarks/probe_stream_gemv.py).
+Since then the norms inside a layer run in the GEMV after them at batch 1 (stream_gemv.py), so the GEMV before
+launches that one directly.
 """
 
 import os
