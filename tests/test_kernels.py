@@ -282,3 +282,28 @@ def test_residual_linear_adds_into_the_stream_on_gemms_only(monkeypatch):
     with torch.no_grad():
         assert rel(qwen3.residual_linear(x, layer, True, residual), F.linear(x, layer.weight)) < TOL[torch.float32]
         assert rel(qwen3.residual_linear(x, layer, False, residual), F.linear(x, layer.weight)) < TOL[torch.float32]
+
+
+def test_pending_norm_falls_back_to_the_norm_kernel_where_the_gemv_cannot_take_it():
+    """A PendingNorm whose product the streaming GEMV does not take (here: no CUDA, or float32) runs the norm kernel
+    into its new residual buffer, then the plain product; the residual it was given stays as it was. On the CPU no
+    norm is ever left pending (stream_gemv.streams is off), so this is the fallback's only CPU check; the fused
+    path is tests/test_stream_gemv.py's."""
+    from llm_anatomy.models import qwen3
+
+    norm_module = qwen3.RMSNorm(512, 1e-6).to(DEVICE)
+    norm_module.fast = True
+    with torch.no_grad():
+        norm_module.weight.copy_(1 + 0.1 * rand(512, seed=3))
+    layer = torch.nn.Linear(512, 64, bias=True).to(DEVICE)
+    x, residual = rand(1, 512, seed=1), rand(1, 512, seed=2)
+    before = residual.clone()
+    pending = qwen3.PendingNorm(x, residual, norm_module, torch.empty_like(residual))
+    with torch.no_grad():
+        y = qwen3.linear(pending, layer, True)
+        stream = before.clone()
+        want = F.linear(rmsnorm_reference(x, norm_module.weight, 1e-6, residual=stream), layer.weight, layer.bias)
+    assert torch.equal(residual, before) and rel(pending.new_residual, stream) < TOL[torch.float32]
+    assert rel(y, want) < TOL[torch.float32]
+    # and a norm is left pending only where the streaming GEMV would run: never on this machine or in float32
+    assert norm_module.add_forward(x, residual.clone(), defer=True)[0].__class__ is torch.Tensor
