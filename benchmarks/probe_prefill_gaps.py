@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_h200 import cuda_ms, one_prefill_ms, prefill_ms, prompt_ids
+from bench_h200 import cuda_ms, one_prefill_ms, prefill_ms, prompt_ids, sustained_matmul
 from llm_anatomy import Engine
 from llm_anatomy.probe.telemetry import GpuTelemetry
 from probe_new_length import prompt_lengths
@@ -73,23 +73,8 @@ def sustained(engine: Engine, lengths: list[int]) -> dict:
         out[f"prefill_{n}_clocks"] = clocks
         out[f"prefill_{n}_clocks_each"] = per_interval(samples, starts[:-1], starts[-1])
 
-    def matmuls():
-        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        flops = 2 * 8192 ** 3
-        rates = []
-        for _ in range(12):  # 60 products a batch, about 0.1 s
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(60):
-                torch.mm(x, w)
-            b.record()
-            b.synchronize()
-            rates.append(60 * flops / a.elapsed_time(b) / 1e9)
-        return rates
-
     time.sleep(1.0)
-    rates, during_matmul, _ = sampled(matmuls)
+    rates, during_matmul, _ = sampled(lambda: sustained_matmul(seconds=1.2)["batches_tflops"])  # 0.1 s each
     return out | {"matmul_tflops_per_0.1s": rates, "matmul_clocks": during_matmul}
 
 
