@@ -170,6 +170,9 @@ def test_bad_engine_arguments(save_tiny, monkeypatch):
         Engine.from_pretrained(directory, kv_cache_tokens=0, **kw)
     with pytest.raises(AnatomyError, match="max_num_batched_tokens must be >= 1"):
         Engine.from_pretrained(directory, kv_cache_tokens=64, max_num_batched_tokens=0, **kw)
+    for switch in ("cuda_graphs", "pdl", "stream_gemv", "mixed_steps"):
+        with pytest.raises(AnatomyError, match=f"{switch} must be True or False, got 'false'"):
+            Engine.from_pretrained(directory, kv_cache_tokens=64, **{switch: "false"}, **kw)
     monkeypatch.setattr(engine_module, "use_kernels", lambda device: False)
     with pytest.raises(AnatomyError, match="fast_path needs Triton and a CUDA device"):
         Engine.from_pretrained(directory, fast_path=True, kv_cache_tokens=64, **kw)

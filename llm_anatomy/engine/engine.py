@@ -122,6 +122,10 @@ class Engine:
         self.device = device
         self.dtype = dtype
         self.defaults = defaults
+        for name, switch in (("cuda_graphs", cuda_graphs), ("pdl", pdl), ("stream_gemv", stream_gemv),
+                             ("mixed_steps", mixed_steps)):
+            if not isinstance(switch, bool):  # a string such as "false" would read as on
+                raise AnatomyError(f"{name} must be True or False, got {switch!r}")
         if max_model_len is not None and not 0 < max_model_len <= config.max_position_embeddings:
             raise AnatomyError(f"max_model_len must be in 1..{config.max_position_embeddings} "
                                f"(the model's max_position_embeddings), got {max_model_len}")
