@@ -87,16 +87,14 @@ FAKES = {"norm": types.SimpleNamespace(rmsnorm=no_norm), "qk_norm_rope_store": n
 def fakes_for(families):
     """The model's kernel families named (keys of FAKES) replaced by no-ops inside the block."""
     real = {key: getattr(qwen3, key) for key in FAKES}
-    norm_in_gemv, rope_in_gemv = qwen3.NORM_IN_GEMV, qwen3.ROPE_IN_GEMV
-    # work done inside a GEMV is not a kernel of its own: faking it takes it back out
-    qwen3.NORM_IN_GEMV = norm_in_gemv and "norm" not in families
-    qwen3.ROPE_IN_GEMV = rope_in_gemv and "qk_norm_rope_store" not in families
+    norm_in_gemv = qwen3.NORM_IN_GEMV
+    qwen3.NORM_IN_GEMV = norm_in_gemv and "norm" not in families  # a norm inside its GEMV is not its own kernel
     for key in families:
         setattr(qwen3, key, FAKES[key])
     try:
         yield
     finally:
-        qwen3.NORM_IN_GEMV, qwen3.ROPE_IN_GEMV = norm_in_gemv, rope_in_gemv
+        qwen3.NORM_IN_GEMV = norm_in_gemv
         for key, value in real.items():
             setattr(qwen3, key, value)
 

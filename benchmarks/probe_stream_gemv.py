@@ -8,9 +8,8 @@ batch-1 decode step?
 - step: the engine's batch-1 decode step at 512 tokens (the short graph) and 32k, captured again and timed
   interleaved over rounds: the engine as it is (the streaming GEMV; the RMSNorms and the attention's merge, which
   feed one, launch it before they wait, so that its blocks land as the GEMV before leaves), `triton` (the Triton
-  GEMV at batch 1, as before), variants of the launch order, the ring's size and the stage's size, the norms
-  before qkv and gate_up in kernels of their own again, and QK-norm/RoPE/store after qkv (VARIANTS). Logits
-  against the engine's.
+  GEMV at batch 1, as before), variants of the launch order, the ring's size and the stage's size, and the
+  norms before qkv and gate_up in kernels of their own again (VARIANTS). Logits against the engine's.
 
     python3 benchmarks/probe_stream_gemv.py --out $OUT/stream_gemv.json
 """
@@ -37,24 +36,15 @@ SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False), "gate_up": 
           "down": (4096, 12288, False), "lm_head": (151936, 4096, False)}
 ENGINE_FIRST = ["gemv", "split", "norm", "merge"]  # the kernels that launch their successor first (pdl.py)
 # name -> (streaming GEMV on, the kernel families that launch first (None: as the engine decides), the ring's
-# bytes, a stage's bytes, whether the norms before qkv and gate_up run in their GEMVs (qwen3.NORM_IN_GEMV), and
-# whether QK-norm/RoPE/store run in the qkv GEMV (qwen3.ROPE_IN_GEMV; a number: and where that GEMV lets the
-# attention launch, stream_gemv.ROPE_LAUNCH_AT))
-VARIANTS = {"engine": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, True, True),
-            "triton": (False, None, None, None, True, True),
-            "stream_norms_wait": (True, ["gemv", "split"], sg.RING_BYTES, sg.STAGE_BYTES, True, True),
-            "rope_first": (True, ENGINE_FIRST + ["rope"], sg.RING_BYTES, sg.STAGE_BYTES, True, False),
-            "split_waits": (True, ["gemv", "norm", "merge"], sg.RING_BYTES, sg.STAGE_BYTES, True, True),
-            "ring_128k": (True, None, 128 * 1024, sg.STAGE_BYTES, True, True),
-            "ring_224k": (True, None, 224 * 1024, sg.STAGE_BYTES, True, True),
-            "stage_16k": (True, None, sg.RING_BYTES, 16 * 1024, True, True),
-            "norms_apart": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, False, True),
-            "rope_apart": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, True, False),
-            "rope_launch_after_wait": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, True, 1),
-            "rope_launch_after_products": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, True, 2),
-            "rope_launch_at_exit": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, True, 3),
-            "rope_split_waits": (True, ["gemv", "norm", "merge"], sg.RING_BYTES, sg.STAGE_BYTES, True, True),
-            "rope_merge_waits": (True, ["gemv", "split", "norm"], sg.RING_BYTES, sg.STAGE_BYTES, True, True)}
+# bytes, a stage's bytes, and whether the norms before qkv and gate_up run in their GEMVs (qwen3.NORM_IN_GEMV))
+VARIANTS = {"engine": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, True), "triton": (False, None, None, None, True),
+            "stream_norms_wait": (True, ["gemv", "split"], sg.RING_BYTES, sg.STAGE_BYTES, True),
+            "rope_first": (True, ENGINE_FIRST + ["rope"], sg.RING_BYTES, sg.STAGE_BYTES, True),
+            "split_waits": (True, ["gemv", "norm", "merge"], sg.RING_BYTES, sg.STAGE_BYTES, True),
+            "ring_128k": (True, None, 128 * 1024, sg.STAGE_BYTES, True),
+            "ring_224k": (True, None, 224 * 1024, sg.STAGE_BYTES, True),
+            "stage_16k": (True, None, sg.RING_BYTES, 16 * 1024, True),
+            "norms_apart": (True, None, sg.RING_BYTES, sg.STAGE_BYTES, False)}
 
 
 @contextlib.contextmanager
@@ -69,20 +59,19 @@ def streaming(on: bool, ring: int | None, stage: int | None):
 
 
 @contextlib.contextmanager
-def in_gemv(norms: bool, rope: bool):
-    saved = qwen3.NORM_IN_GEMV, qwen3.ROPE_IN_GEMV, sg.ROPE_LAUNCH_AT
-    qwen3.NORM_IN_GEMV, qwen3.ROPE_IN_GEMV = norms, bool(rope)
-    sg.ROPE_LAUNCH_AT = 0 if rope is True else int(rope)
+def norm_in_gemv(on: bool):
+    saved = qwen3.NORM_IN_GEMV
+    qwen3.NORM_IN_GEMV = on
     try:
         yield
     finally:
-        qwen3.NORM_IN_GEMV, qwen3.ROPE_IN_GEMV, sg.ROPE_LAUNCH_AT = saved
+        qwen3.NORM_IN_GEMV = saved
 
 
 @contextlib.contextmanager
 def variant(name: str, clones: dict):
-    on, families, ring, stage, norms_in, rope_in = VARIANTS[name]
-    with streaming(on, ring, stage), early(families, clones), in_gemv(norms_in, rope_in):
+    on, families, ring, stage, norms_in = VARIANTS[name]
+    with streaming(on, ring, stage), early(families, clones), norm_in_gemv(norms_in):
         yield
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +46,6 @@ SHARED_LIMIT = 227 * 1024  # a Hopper block's opt-in maximum
 # x stays in registers (128 floats a consumer thread at most). Below 2048 columns (Qwen3-0.6B) the products are
 # too small to fill a block per multiprocessor, and were not measured: the Triton GEMV keeps them.
 MIN_K, MAX_K = 2048, 32768
-ROPE_LAUNCH_AT = 0  # probe: where a rope GEMV lets the attention after it launch (LAUNCH_AT in the source)
 
 SOURCE = r"""
 #define K %(K)d
@@ -56,12 +54,6 @@ SOURCE = r"""
 #define STAGE_ELEMS (HALVES * ROWS * K)
 #define CONSUMERS %(CONSUMERS)d
 #define NORMED %(NORMED)d                 // x is a product to add to the residual stream and RMS-normalise first
-#define ROPED %(ROPED)d                   // qkv: QK-norm, RoPE and the K/V store after it, each head by its last block
-#define QK_NORM %(QK_NORM)d
-#define HEAD_DIM %(HEAD_DIM)d
-#define Q_ROWS %(Q_ROWS)d                 // then k's KV_ROWS rows, then v's
-#define KV_ROWS %(KV_ROWS)d
-#define LAUNCH_AT %(LAUNCH_AT)d  // the next kernel may launch: 0 at the start, 1 once x is here, 2 after the products, 3 at exit
 #define KP (K / 8)                               // 16-byte pieces of a row
 #define PIECES ((KP + CONSUMERS - 1) / CONSUMERS)  // of them, each consumer thread's (the last may be short)
 #define HAS_PIECE(p) ((p) < PIECES - 1 || KP %% CONSUMERS == 0 || tid < KP %% CONSUMERS)
@@ -73,67 +65,6 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
     return make_uint4(rne(f[0]) | rne(f[1]) << 16, rne(f[2]) | rne(f[3]) << 16, rne(f[4]) | rne(f[5]) << 16,
                       rne(f[6]) | rne(f[7]) << 16);
 }
-#if ROPED
-#define PER (HEAD_DIM / 64)  // elements of each half of a head that a lane takes: lane + 32 j
-// What finishing a head needs that does not depend on the product: read before the PDL wait. The position and
-// the slot are written before the step, not by a kernel of it.
-struct RopeConsts {
-    long long slot;
-    float cos[PER], sin[PER], qw[2 * PER], kw[2 * PER];
-};
-__device__ __forceinline__ RopeConsts rope_consts(int lane, const float* cos_t, const float* sin_t,
-                                                  const long long* pos, const long long* slot,
-                                                  const unsigned short* q_norm_w, const unsigned short* k_norm_w) {
-    RopeConsts c;
-    const long long p = pos[0];
-    c.slot = slot[0];
-    #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        c.cos[j] = cos_t[p * (HEAD_DIM / 2) + lane + 32 * j];
-        c.sin[j] = sin_t[p * (HEAD_DIM / 2) + lane + 32 * j];
-    }
-    #pragma unroll
-    for (int j = 0; j < 2 * PER; ++j) {
-        c.qw[j] = QK_NORM ? __uint_as_float((unsigned)q_norm_w[lane + 32 * j] << 16) : 1.f;
-        c.kw[j] = QK_NORM ? __uint_as_float((unsigned)k_norm_w[lane + 32 * j] << 16) : 1.f;
-    }
-    return c;
-}
-// One warp finishes head h of the qkv row in y (every block's rows of it written and released): RMS-normalises
-// it (QK_NORM), rotates it by the token's position (rotate-half) and writes it to q_out, or into the K cache's
-// slot. Rounded as the Triton kernel (rope.py) and HF round: the norm's product, its weight's, each output.
-__device__ __forceinline__ void rope_head(int h, int lane, const unsigned short* y, unsigned short* q_out,
-                                          unsigned short* k_cache, float eps, const RopeConsts& c) {
-    constexpr int HALF = HEAD_DIM / 2;
-    const bool is_q = h < Q_ROWS / HEAD_DIM;
-    float a[PER], b[PER];
-    #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        a[j] = __uint_as_float((unsigned)__ldcg(y + h * HEAD_DIM + lane + 32 * j) << 16);
-        b[j] = __uint_as_float((unsigned)__ldcg(y + h * HEAD_DIM + HALF + lane + 32 * j) << 16);
-    }
-#if QK_NORM
-    float ss = 0.f;
-    #pragma unroll
-    for (int j = 0; j < PER; ++j) ss += a[j] * a[j] + b[j] * b[j];
-    const float inv = rsqrtf(warp_sum(ss) / HEAD_DIM + eps);
-    #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        a[j] = round_bf16(round_bf16(a[j] * inv) * (is_q ? c.qw[j] : c.kw[j]));
-        b[j] = round_bf16(round_bf16(b[j] * inv) * (is_q ? c.qw[PER + j] : c.kw[PER + j]));
-    }
-#endif
-    unsigned short* dst = is_q ? q_out + h * HEAD_DIM
-                               : c.slot >= 0 ? k_cache + c.slot * KV_ROWS + (h * HEAD_DIM - Q_ROWS) : nullptr;
-    if (dst) {
-        #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            dst[lane + 32 * j] = (unsigned short)rne(a[j] * c.cos[j] - b[j] * c.sin[j]);
-            dst[HALF + lane + 32 * j] = (unsigned short)rne(b[j] * c.cos[j] + a[j] * c.sin[j]);
-        }
-    }
-}
-#endif
 __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
     return lo(w.x) * x[0] + hi(w.x) * x[1] + lo(w.y) * x[2] + hi(w.y) * x[3]
          + lo(w.z) * x[4] + hi(w.z) * x[5] + lo(w.w) * x[6] + hi(w.w) * x[7];
@@ -142,19 +73,13 @@ __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
 stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x,
             unsigned short* __restrict__ y, int n, int stages, const unsigned short* __restrict__ res_in,
-            unsigned short* __restrict__ res_out, const unsigned short* __restrict__ norm_w, float eps,
-            unsigned short* __restrict__ q_out, unsigned short* __restrict__ k_cache,
-            unsigned short* __restrict__ v_cache, const unsigned short* __restrict__ q_norm_w,
-            const unsigned short* __restrict__ k_norm_w, float qk_eps, const float* __restrict__ cos_t,
-            const float* __restrict__ sin_t, const long long* __restrict__ pos, const long long* __restrict__ slot,
-            int* __restrict__ counts) {
+            unsigned short* __restrict__ res_out, const unsigned short* __restrict__ norm_w, float eps) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned short* ring = (unsigned short*)smem;
     unsigned long long* full = (unsigned long long*)(ring + (size_t)stages * STAGE_ELEMS);
     unsigned long long* empty = full + stages;
     float* warp_sums = (float*)(empty + stages);  // NORMED: each consumer warp's sum of squares
-    int* finish = (int*)(warp_sums + CONSUMERS / 32);  // ROPED: how many heads this block finishes, then which
-    float* partial = (float*)(finish + 33);  // [warp][half][row of this block]
+    float* partial = warp_sums + CONSUMERS / 32;  // [warp][half][row of this block]
     const int tid = threadIdx.x, warp = tid / 32, lane = tid %% 32;
     const int groups = n / ROWS;
     const int g0 = (int)((long long)blockIdx.x * groups / gridDim.x);
@@ -164,7 +89,7 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
     __syncthreads();
     // The next kernel may launch now: a small one fits beside this block and waits; the next GEMV's block
     // does not fit, so it lands on each multiprocessor as this GEMV's block there ends.
-    if (LAUNCH_AT == 0) asm volatile("griddepcontrol.launch_dependents;" :::);
+    asm volatile("griddepcontrol.launch_dependents;" :::);
 
     if (warp == CONSUMERS / 32) {  // the producer: no wait for the kernel before, weights are constant
         if (lane == 0) {
@@ -188,11 +113,7 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
     for (int p = 0; p < PIECES; ++p)
         nw[p] = HAS_PIECE(p) ? __ldg((const uint4*)(norm_w + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0);
 #endif
-#if ROPED
-    const RopeConsts rc = rope_consts(lane, cos_t, sin_t, pos, slot, q_norm_w, k_norm_w);
-#endif
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the kernel before's output
-    if (LAUNCH_AT == 1) asm volatile("griddepcontrol.launch_dependents;" :::);
     float xf[PIECES * 8];
     #pragma unroll
     for (int p = 0; p < PIECES; ++p) {
@@ -246,7 +167,6 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
             if (lane == 0) partial[(warp * HALVES + r / ROWS) * mine + (g - g0) * ROWS + r %% ROWS] = v;
         }
     }
-    if (LAUNCH_AT == 2) asm volatile("griddepcontrol.launch_dependents;" :::);
     asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");
     for (int i = tid; i < mine; i += CONSUMERS) {
         float a = 0.f;
@@ -262,41 +182,8 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
         } else {
             out = rne(a);
         }
-#if ROPED  // v is final: straight into its cache slot
-        const int row = g0 * ROWS + i;
-        if (row >= Q_ROWS + KV_ROWS) {
-            if (rc.slot >= 0) v_cache[rc.slot * KV_ROWS + (row - Q_ROWS - KV_ROWS)] = (unsigned short)out;
-            continue;
-        }
-#endif
         y[g0 * ROWS + i] = (unsigned short)out;
     }
-#if ROPED
-    // Each q and k head is finished by the block whose rows complete it. A lane of warp 0 per head adds the rows
-    // of it that this block wrote to the head's counter (acq_rel: after the block's barrier, so that its rows are
-    // visible first, and reading the others' if last); the block that brings it to HEAD_DIM finishes the head and
-    // zeroes the counter for the next layer's launch.
-    asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");
-    if (warp == 0) {
-        const int r0 = g0 * ROWS, r1 = min(g1 * ROWS, Q_ROWS + KV_ROWS), h = r0 / HEAD_DIM + lane;
-        bool last = false;
-        if (r0 < r1 && h * HEAD_DIM < r1) {
-            const int rows = min(r1, (h + 1) * HEAD_DIM) - max(r0, h * HEAD_DIM);
-            int before;
-            asm volatile("atom.acq_rel.gpu.global.add.s32 %%0, [%%1], %%2;"
-                         : "=r"(before) : "l"(counts + h), "r"(rows) : "memory");
-            last = before + rows == HEAD_DIM;
-        }
-        const unsigned mask = __ballot_sync(0xffffffffu, last);
-        if (last) finish[1 + __popc(mask & ((1u << lane) - 1))] = h;
-        if (lane == 0) finish[0] = __popc(mask);
-    }
-    asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");
-    for (int j = warp; j < finish[0]; j += CONSUMERS / 32) {
-        rope_head(finish[1 + j], lane, y, q_out, k_cache, qk_eps, rc);
-        if (lane == 0) counts[finish[1 + j]] = 0;
-    }
-#endif
 }
 """
 
@@ -308,32 +195,9 @@ def rows_per_stage(n: int, k: int, gated: bool) -> int:
     return next(r for r in range(most, 0, -1) if n % r == 0)
 
 
-@dataclass
-class QKRope:
-    """What the qkv product's kernel needs to finish its output as the attention wants it (stream_gemv's `rope`):
-    QK-norm (q_norm, k_norm; None for a model without it), RoPE at the token's position, K and V stored into the
-    layer's cache slot (-1: nowhere), q returned. One token; the caches [slots..., KVH, D], contiguous."""
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    cos: torch.Tensor  # float32 [positions, head_dim / 2]
-    sin: torch.Tensor
-    positions: torch.Tensor  # int64 [1]
-    slot_mapping: torch.Tensor  # int64 [1]
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-
-
-def source(n: int, k: int, gated: bool, normed: bool = False, rope: QKRope | None = None) -> str:
+def source(n: int, k: int, gated: bool, normed: bool = False) -> str:
     return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated), "HALVES": 2 if gated else 1, "CONSUMERS": CONSUMERS,
-                     "NORMED": int(normed), "ROPED": int(rope is not None),
-                     "QK_NORM": int(rope is not None and rope.q_norm is not None),
-                     "HEAD_DIM": rope.head_dim if rope else 128, "Q_ROWS": rope.n_heads * rope.head_dim if rope else 0,
-                     "KV_ROWS": rope.n_kv_heads * rope.head_dim if rope else 0,
-                     "LAUNCH_AT": ROPE_LAUNCH_AT if rope is not None else 0}
+                     "NORMED": int(normed)}
 
 
 def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
@@ -343,15 +207,9 @@ def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
     halves = 2 if gated else 1
     stage = halves * rows * k * 2
     most_rows = -(-(n // rows) // blocks) * rows
-    partial = (CONSUMERS // 32 * (halves * most_rows + 1) + 33) * 4  # and the warps' sums of squares, rope's heads
+    partial = CONSUMERS // 32 * (halves * most_rows + 1) * 4  # and the warps' sums of squares
     stages = min(RING_BYTES, SHARED_LIMIT - partial - 1024) // stage
     return stages, stages * (stage + 16) + partial
-
-
-# Per device: the qkv kernel's arrival counter of each head (rope), zero between launches. One per device serves
-# every layer, as a step's kernels run one after another on one stream; allocated here, not during a graph capture.
-HEAD_COUNTERS: dict[int, torch.Tensor] = {}  # by device index
-MAX_HEADS = 1024
 
 
 def enable_stream_gemv(device: torch.device, on: bool = True) -> bool:
@@ -366,8 +224,6 @@ def enable_stream_gemv(device: torch.device, on: bool = True) -> bool:
     except Exception as e:  # no NVRTC in this PyTorch build: the Triton GEMV serves every row
         log.warning("the streaming GEMV did not compile (%s); the Triton GEMV takes batch 1 too", str(e).splitlines()[0])
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    HEAD_COUNTERS.setdefault(index, torch.zeros(MAX_HEADS, dtype=torch.int32, device=torch.device("cuda", index)))
     STREAM.on = True
     return True
 
@@ -394,32 +250,12 @@ def supports_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
                and t.data_ptr() % 16 == 0 for t in (x, residual, norm_weight))
 
 
-def supports_rope(x: torch.Tensor, weight: torch.Tensor, rope: QKRope) -> bool:
-    """Whether the qkv GEMV can finish q, k and v itself (stream_gemv's `rope`): weight = [q; k; v] of the heads
-    given, head_dim in 64-element pieces, no more heads in a block than it can list, bf16 caches [slots..., KVH, D]
-    and norms, float32 tables, one int64 position and slot, and the device's counters (enable_stream_gemv)."""
-    q_rows, kv_rows = rope.n_heads * rope.head_dim, rope.n_kv_heads * rope.head_dim
-    norms = [t for t in (rope.q_norm, rope.k_norm) if t is not None]
-    most_rows = -(-weight.shape[0] // sm_count(x.device))
-    return (weight.shape[0] == q_rows + 2 * kv_rows and rope.head_dim % 64 == 0 and rope.n_heads + rope.n_kv_heads
-            <= MAX_HEADS and most_rows // rope.head_dim + 2 <= 32 and x.device.index in HEAD_COUNTERS
-            and len(norms) in (0, 2) and all(t.dtype == x.dtype and t.is_contiguous() and t.numel() == rope.head_dim
-                                             for t in norms)
-            and all(t.dtype == x.dtype and t.is_contiguous() and t.shape[-2:] == (rope.n_kv_heads, rope.head_dim)
-                    for t in (rope.k_cache, rope.v_cache))
-            and all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[-1] == rope.head_dim // 2
-                    for t in (rope.cos, rope.sin))
-            and all(t.dtype == torch.int64 and t.numel() == 1 for t in (rope.positions, rope.slot_mapping)))
-
-
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
-                norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-                rope: QKRope | None = None) -> torch.Tensor:
+                norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T -> [1, N] (bf16); with gated, weight = [gate; up] and the result SiLU(gate) * up.
     With norm = (residual, new_residual, norm_weight, eps), the product is of RMSNorm(x + residual) * norm_weight
     instead (rounded as HF rounds), and new_residual receives x + residual: the norm kernel before a GEMV, done by
-    the GEMV's consumers (see supports_norm). With rope (the qkv product, see supports_rope), the kernel also does
-    what rope.py's kernel does after it: returns q [1, H, D], QK-normed and rotated, and stores k and v."""
+    the GEMV's consumers (see supports_norm)."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
     blocks = sm_count(x.device)
@@ -427,15 +263,8 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     null = ctypes.c_void_p(0)
     residual, new_residual, norm_weight, eps = norm or (null, null, null, 0.0)
-    rope_args = [null] * 5 + [0.0] + [null] * 5
-    if rope is not None:
-        q = torch.empty(1, rope.n_heads, rope.head_dim, dtype=x.dtype, device=x.device)
-        rope_args = [q, rope.k_cache, rope.v_cache, rope.q_norm if rope.q_norm is not None else null,
-                     rope.k_norm if rope.k_norm is not None else null, float(rope.eps), rope.cos, rope.sin,
-                     rope.positions, rope.slot_mapping, HEAD_COUNTERS[x.device.index]]
     with torch.cuda.device(x.device):  # the kernel's module and the stream are those of x's device
-        kernel = compile_kernel(source(n, k, gated, norm is not None, rope), "stream_gemv", x.device.index,
-                                SHARED_LIMIT)
+        kernel = compile_kernel(source(n, k, gated, norm is not None), "stream_gemv", x.device.index, SHARED_LIMIT)
         launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages, residual, new_residual, norm_weight,
-                                                float(eps), *rope_args], pdl=PDL.on, shared=shared)
-    return y if rope is None else q
+                                                float(eps)], pdl=PDL.on, shared=shared)
+    return y

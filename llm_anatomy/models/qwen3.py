@@ -56,9 +56,6 @@ def enable_fast_path(model: nn.Module, on: bool = True) -> None:
 # the step's chain of dependent kernels. Qwen3-8B's step on the H200: 3.861 against 3.915 ms at 512 tokens, 4.984
 # against 5.076 at 32k (benchmarks/probe_stream_gemv.py, variant norms_apart; RESULTS.md thirteenth session).
 NORM_IN_GEMV = True
-# Batch-1 decode: QK-norm, RoPE and the K/V store in the qkv streaming GEMV too (stream_gemv.py, rope=): the last
-# block to write a head's rows finishes it, so the attention waits on the GEMV alone.
-ROPE_IN_GEMV = True
 
 
 @dataclass
@@ -70,17 +67,13 @@ class PendingNorm:
     layernorm: RMSNorm
     new_residual: torch.Tensor
 
-    def product(self, weight: torch.Tensor, gated: bool = False,
-                rope: stream_gemv.QKRope | None = None) -> torch.Tensor | None:
-        """The norm and the product (and rope's work, see stream_gemv) by one streaming GEMV, where it takes them;
-        else None (see normed)."""
+    def product(self, weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+        """The norm and the product by one streaming GEMV, where it takes them; else None (see normed)."""
         if not (stream_gemv.supports(self.x, weight, gated)
-                and stream_gemv.supports_norm(self.x, self.residual, self.layernorm.weight)
-                and (rope is None or stream_gemv.supports_rope(self.x, weight, rope))):
+                and stream_gemv.supports_norm(self.x, self.residual, self.layernorm.weight)):
             return None
         return stream_gemv.stream_gemv(self.x, weight, gated, norm=(self.residual, self.new_residual,
-                                                                    self.layernorm.weight, self.layernorm.eps),
-                                       rope=rope)
+                                                                    self.layernorm.weight, self.layernorm.eps))
 
     def normed(self) -> torch.Tensor:
         """The norm by its own kernel, for a product that does not take it."""
@@ -189,17 +182,10 @@ class Attention(nn.Module, FastPath):
         """The attention's output; None where it was added into `residual` (see residual_linear). x may be a
         PendingNorm (see linear)."""
         tokens = positions.shape[0]
-        if self.fast:
-            q = self._streamed_q(x, positions, rotary, batch)
-            if q is not None:  # batch-1 decode: q, k and v came out of the qkv kernel as the attention wants them
-                k_cache, v_cache = batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx]
-                out = paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                             self.head_dim ** -0.5, splits=batch.decode_splits,
-                                             block_n=batch.decode_block_n)
-            else:
-                out = self._fast_attention(linear(x, self.qkv_proj, True), positions, rotary, batch)
-            return residual_linear(out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj, True, residual)
         qkv = linear(x, self.qkv_proj, self.fast)
+        if self.fast:
+            out = self._fast_attention(qkv, positions, rotary, batch)
+            return residual_linear(out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj, True, residual)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -209,26 +195,6 @@ class Attention(nn.Module, FastPath):
         q, k = rotary(q, positions), rotary(k, positions)
         out = attend(q, k, v, self.layer_idx, batch)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
-
-    def _streamed_q(self, x: torch.Tensor | PendingNorm, positions: torch.Tensor, rotary: RotaryEmbedding,
-                    batch: AttentionBatch) -> torch.Tensor | None:
-        """q [1, H, D] from the qkv streaming GEMV that also did QK-norm, RoPE and the K/V store (ROPE_IN_GEMV),
-        where it takes them (a bf16 decode step of one sequence, no qkv bias); else None."""
-        row = x.x if isinstance(x, PendingNorm) else x
-        if not (ROPE_IN_GEMV and not batch.is_prefill and self.qkv_proj.bias is None
-                and stream_gemv.streams(row.shape[0], row.shape[1], row.dtype)):
-            return None
-        rope = stream_gemv.QKRope(self.num_heads, self.num_kv_heads, self.head_dim,
-                                  self.q_norm.weight if self.qk_norm else None,
-                                  self.k_norm.weight if self.qk_norm else None,
-                                  self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
-                                  batch.slot_mapping, batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx])
-        weight = self.qkv_proj.weight
-        if isinstance(x, PendingNorm):
-            return x.product(weight, rope=rope)
-        if stream_gemv.supports(x, weight, False) and stream_gemv.supports_rope(x, weight, rope):
-            return stream_gemv.stream_gemv(x, weight, rope=rope)
-        return None
 
     def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch) -> torch.Tensor:
         """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel. (In
