@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from . import sm_count
-from . import stream_attention
 from .pdl import PDL, gdc_enter
 from .stream_gemv import streams
 
@@ -154,17 +153,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = block_n or BLOCK_N
     acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
-    if stream_attention.STREAM.on and stream_attention.supports(q, k_cache, v_cache, block_tables, splits, block_n,
-                                                                 stream_attention.STAGES):
-        stream_attention.split_attention(q, k_cache, v_cache, block_tables, context_lens, scale, splits, block_n,
-                                         stream_attention.STAGES, acc, ml)
-    else:
-        _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
-            q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
-            block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=block_n,
-            IEEE=q.dtype == torch.float32, USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps,
-            num_stages=num_stages)
+    _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
+        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
     _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, context_lens, out, out.stride(0), out.stride(1), n_heads,
