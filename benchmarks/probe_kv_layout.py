@@ -9,7 +9,7 @@ programmatic dependent launch, with the engine's tile and splits and others (mor
 short graph's attention); pages in order (a fresh pool) and, with --layouts, shuffled (a long-running server's).
 
     python3 benchmarks/probe_kv_layout.py --out $OUT/kv_layout.json
-    python3 benchmarks/probe_kv_layout.py --step --rounds 7 --out $OUT/kv_merge_step.json  # merge warps, in the step
+    python3 benchmarks/probe_kv_layout.py --step --rounds 7 --out $OUT/kv_merge_step.json  # the merge, in the step
     python3 benchmarks/probe_kv_layout.py --tiles engine,short --out $OUT/kv.json  # only these tiles
 """
 
@@ -62,14 +62,22 @@ def merge_warps(warps: int | None):
     """A context in which the merge kernel is launched with `warps` warps (None: the engine's rule)."""
     if warps is None:
         return contextlib.nullcontext()
-    return mock.patch.object(decode_attention, "merge_warps", lambda splits_pad, head_dim: warps)
+    return mock.patch.object(decode_attention, "merge_warps", lambda splits_pad, d_block: warps)
+
+
+def merge_chunks(chunks: int):
+    """A context in which the merge cuts each head into `chunks` pieces (decode_attention.merge_chunks)."""
+    return mock.patch.object(decode_attention, "merge_chunks", lambda programs, head_dim, sm_count: chunks)
 
 
 def step(rounds: int) -> dict:
     """The engine's batch-1 decode step at 512 tokens (its short graph's attention) and at 32k, with the merge
-    kernel's warps by the engine's rule and with one warp, interleaved."""
+    kernel by the engine's rules (its warps, its pieces of a head), with one warp, and with each head in 1, 2 or
+    8 pieces, interleaved."""
     engine = make_engine({"model": "Qwen/Qwen3-8B"}, kv_cache_tokens=32768 + 256, max_num_seqs=1)
-    variants = {"rule": lambda: merge_warps(None), "one_warp": lambda: merge_warps(1)}
+    variants = {"rule": lambda: merge_warps(None), "one_warp": lambda: merge_warps(1),
+                "whole_heads": lambda: merge_chunks(1), "pieces2": lambda: merge_chunks(2),
+                "pieces8": lambda: merge_chunks(8)}
     out = {}
     for context, splits, block_n in ((512, SHORT_SPLITS, SHORT_BLOCK_N), (32768, None, None)):
         out[context] = interleaved(engine, decode_forward(engine, context, splits, block_n), variants, rounds)
@@ -85,7 +93,7 @@ def main(argv=None):
     parser.add_argument("--out")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--layouts", action="store_true", help="also head-major storage and shuffled pages")
-    parser.add_argument("--step", action="store_true", help="only the engine's decode step, merge warps A/B")
+    parser.add_argument("--step", action="store_true", help="only the engine's decode step, the merge's variants")
     parser.add_argument("--tiles", type=tile_list, default=list(TILES), help=f"comma-separated, of {','.join(TILES)}")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")

@@ -253,6 +253,9 @@ def test_kv_layout_probe_overrides_the_merge_warps_only_inside_its_block(probes)
     with probe.merge_warps(None):  # the engine's rule
         assert decode_attention.merge_warps(64, 128) == 2
     assert decode_attention.merge_warps(64, 128) == 2 and decode_attention.merge_warps(16, 128) == 1
+    with probe.merge_chunks(1):
+        assert decode_attention.merge_chunks(32, 128, 132) == 1
+    assert decode_attention.merge_chunks(32, 128, 132) == 2
 
 
 def test_cuda_probes_sources_and_launch_structs(probes):

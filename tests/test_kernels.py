@@ -123,6 +123,22 @@ def test_paged_decode_attention(dtype, splits, block_n, head_major):
     assert out[3].abs().sum() == 0
 
 
+def test_paged_decode_attention_merges_heads_in_pieces():
+    """One sequence of few heads: the merge cuts each head into pieces (decode_attention.merge_chunks; the
+    interpreter counts 8 multiprocessors), each piece merged alike."""
+    from llm_anatomy.kernels.decode_attention import merge_chunks
+
+    assert merge_chunks(2, 32, 8) == 2 and merge_chunks(32, 128, 132) == 2 and merge_chunks(64, 128, 132) == 1
+    assert merge_chunks(512, 128, 132) == 1 and merge_chunks(1, 128, 1000) == 8  # pieces of 16 at least
+    heads, kv_heads, d, page, pages = 2, 1, 32, 4, 12
+    k_cache, v_cache = rand(pages, page, kv_heads, d), rand(pages, page, kv_heads, d, seed=1)
+    tables = torch.randperm(pages, generator=torch.Generator().manual_seed(0)).int()[None].to(DEVICE)
+    lens = torch.tensor([45], dtype=torch.int32, device=DEVICE)
+    q = rand(1, heads, d, seed=2)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 1 / math.sqrt(d), splits=3, block_n=16)
+    assert rel(out, decode_attention(q, k_cache, v_cache, tables, lens)) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv(rows, dtype):

@@ -3,12 +3,14 @@
 Batch-1 decode has only KV-heads programs' worth of work per layer, far too few to fill the GPU and read
 the cache at full bandwidth; so each (sequence, KV head) is split into `splits` ranges of the context,
 each program attends its range for all query heads of its GQA group (one tl.dot over the group), and a
-second kernel merges the partial softmaxes. Tokens are gathered through the block table per token, so the
-tile (BLOCK_N tokens) does not depend on the page size. Only each sequence's valid context is read.
+second kernel merges the partial softmaxes (at batch 1 each head in pieces, see merge_chunks). Tokens are
+gathered through the block table per token, so the tile (BLOCK_N tokens) does not depend on the page size. Only
+each sequence's valid context is read.
 
 (Merging in the last-arriving program of the first kernel, through an atomic counter, saves a launch but
 was slower on the H200: 15 us a layer against 7.4 for the two kernels, its merge being a serial chain of
-loads. benchmarks/results/2026-11-29_bench_run3.json, section attn.)
+loads. benchmarks/results/2026-11-29_bench_run3.json, section attn. A split kernel in CUDA C++ that read the cache
+before its PDL wait was as fast alone at 32k and slower in the step: benchmarks/RESULTS.md, fourteenth session.)
 """
 
 import torch
@@ -24,12 +26,24 @@ from .stream_gemv import streams
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
 
 
-def merge_warps(splits_pad: int, head_dim: int) -> int:
-    """The merge kernel's warps: a program holds splits x head_dim float32 partial sums, at most 128 a thread.
-    One warp for 33 splits spilled them: on the H200, 36 layers of attention at 32k took 1.541 ms with one
-    warp and 1.456 with two; with 66 splits one warp took 2.79 ms and four 1.58
+def merge_warps(splits_pad: int, d_block: int) -> int:
+    """The merge kernel's warps: a program holds splits x d_block float32 partial sums, at most 128 a thread.
+    One warp for 33 splits of whole 128-wide rows spilled them: on the H200, 36 layers of attention at 32k took
+    1.541 ms with one warp and 1.456 with two; with 66 splits one warp took 2.79 ms and four 1.58
     (benchmarks/probe_kv_layout.py)."""
-    return max(1, min(8, splits_pad * head_dim // (32 * 128)))
+    return max(1, min(8, splits_pad * d_block // (32 * 128)))
+
+
+def merge_chunks(programs: int, head_dim: int, sm_count: int) -> int:
+    """Pieces of head_dim that each (sequence, query head) of the merge is cut into: the most, in powers of two
+    and of at least 16 values, that keep `programs` x pieces within half a program per multiprocessor (batch 1,
+    32 heads: 2 pieces of 64), so that each program's chain of loads is shorter. Qwen3-8B's batch-1 step on the
+    H200: 3.836 ms against 3.860 with whole heads at 512 tokens, 4.968 against 4.983 at 32k; 4 pieces 3.857 and
+    4.967, 8 pieces 3.844 and 4.972 (benchmarks/probe_kv_layout.py --step, 5 rounds interleaved)."""
+    chunks = 1
+    while 4 * chunks * programs <= sm_count and 2 * chunks <= head_dim // 16:
+        chunks *= 2
+    return chunks
 
 
 @triton.jit
@@ -112,8 +126,8 @@ def _splits_used(ctx, splits, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["splits"], do_not_specialize_on_alignment=["ctx_ptr"])
 def _decode_attention_merge_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, n_heads, splits,
-                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
-                  LAUNCH_FIRST: tl.constexpr):
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                  USE_PDL: tl.constexpr, LAUNCH_FIRST: tl.constexpr):
     gdc_enter(USE_PDL, LAUNCH_FIRST)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -124,7 +138,7 @@ def _decode_attention_merge_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob,
     l = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
     m_all = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits weigh nothing
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)  # this program's piece of the head
     acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
     total = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
@@ -161,8 +175,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
-    _decode_attention_merge_kernel[(batch, n_heads)](acc, ml, context_lens, out, out.stride(0), out.stride(1), n_heads,
-                                    splits, SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_N=block_n, USE_PDL=PDL.on,
-                                    LAUNCH_FIRST=streams(batch, n_heads * head_dim, q.dtype), launch_pdl=PDL.on,
-                                    num_warps=merge_warps(splits_pad, head_dim))
+    chunks = merge_chunks(batch * n_heads, head_dim, sm_count(q.device))
+    _decode_attention_merge_kernel[(batch, n_heads, chunks)](
+        acc, ml, context_lens, out, out.stride(0), out.stride(1), n_heads, splits, SPLITS_PAD=splits_pad,
+        HEAD_DIM=head_dim, D_BLOCK=head_dim // chunks, BLOCK_N=block_n, USE_PDL=PDL.on,
+        LAUNCH_FIRST=streams(batch, n_heads * head_dim, q.dtype), launch_pdl=PDL.on,
+        num_warps=merge_warps(splits_pad, head_dim // chunks))
     return out
