@@ -145,6 +145,7 @@ def cmd_call(args) -> int:
     from .models.config import ModelConfig
     from .probe.call import CallRequest, measure_call
     from .probe.ceilings import datasheet_ceilings, load_or_calibrate
+    from .prompt import render_prompt
     from .tokenizer import Tokenizer
 
     messages = _messages(args)
@@ -160,9 +161,10 @@ def cmd_call(args) -> int:
     source = resolve(model)
     config = ModelConfig.from_hf(source.config)
     tokenizer = Tokenizer.from_pretrained(source.directory or source.name)
-    prompt_text = (args.prompt or DEFAULT_PROMPT) if messages is None else \
-        tokenizer.apply_chat_template(messages, enable_thinking=not args.no_thinking)
-    n_prompt = len(tokenizer.encode(prompt_text))
+    rendered = render_prompt(tokenizer, messages=messages,
+                             prompt=(args.prompt or DEFAULT_PROMPT) if messages is None else None,
+                             enable_thinking=not args.no_thinking)
+    prompt_text, n_prompt = rendered.text, len(rendered.token_ids)
     if n_prompt + args.max_tokens > config.max_position_embeddings:
         raise RequestError(f"the prompt ({n_prompt} tokens) plus --max-tokens ({args.max_tokens}) exceeds the "
                            f"context of {model} ({config.max_position_embeddings} tokens)")

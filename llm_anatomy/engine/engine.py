@@ -18,6 +18,7 @@ from ..models.config import ModelConfig, parse_dtype
 from ..kernels import use_kernels
 from ..models.loader import WeightsInfo, build_model, has_checkpoint, init_synthetic, load_checkpoint
 from ..models.qwen3 import enable_fast_path
+from ..prompt import render_prompt
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .events import Observer, Step
 from .kv_cache import BlockTable, KVCachePool
@@ -269,17 +270,9 @@ class Engine:
     def render_prompt(self, prompt_token_ids=None, prompt: str | None = None, messages=None, *,
                       enable_thinking: bool = True, tools=None) -> tuple[list[int], str | None]:
         """Exactly one of token ids, a raw prompt, or chat messages -> (token ids, prompt text)."""
-        given = [x is not None for x in (prompt_token_ids, prompt, messages)]
-        if sum(given) != 1:
-            raise RequestError("give exactly one of prompt_token_ids, prompt or messages", param="prompt")
-        if messages is not None:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                        enable_thinking=enable_thinking, tools=tools)
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise RequestError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
-            return self.tokenizer.encode(prompt), prompt
-        return list(prompt_token_ids), None
+        rendered = render_prompt(self.tokenizer, messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                 enable_thinking=enable_thinking, tools=tools)
+        return rendered.token_ids, rendered.text
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The checks `add_request` makes, without queueing anything (a server runs them in its handlers)."""

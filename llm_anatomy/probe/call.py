@@ -19,7 +19,7 @@ from .memory import census
 from .recorder import (Recorder, RequestTrace, batching_record, decode_records, decode_summary, kv_record,
                        prefill_record, telemetry)
 from .telemetry import GpuTelemetry, nvml_status
-from ..tokenizer import validate_messages
+from ..prompt import render_prompt
 
 
 @dataclass
@@ -96,18 +96,12 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
     trace = recorder.watch(request_id, t0_ns=t_parse_start)
     engine.observers.append(recorder)
     try:
-        if request.messages is not None:
-            validate_messages(request.messages)
         params = engine.sampling_params(**request.sampling)
-        t_template = time.perf_counter_ns()
-        prompt_text = None
-        if request.messages is not None:
-            prompt_text = engine.tokenizer.apply_chat_template(request.messages, enable_thinking=request.enable_thinking,
-                                                               tools=request.tools)
-        elif request.prompt is not None:
-            prompt_text = request.prompt
-        marks = Marks(t_parse_start, t_template, time.perf_counter_ns(), 0)
-        ids, _ = engine.render_prompt(request.prompt_token_ids, prompt_text)
+        rendered = render_prompt(engine.tokenizer, messages=request.messages, prompt=request.prompt,
+                                 prompt_token_ids=request.prompt_token_ids, enable_thinking=request.enable_thinking,
+                                 tools=request.tools)
+        ids, prompt_text = rendered.token_ids, rendered.text
+        marks = Marks(t_parse_start, rendered.template_ns, rendered.tokenize_ns, 0)
         marks.queue = time.perf_counter_ns()
         seq = engine.add_request(ids, params, request_id=request_id)
         while not seq.finished:

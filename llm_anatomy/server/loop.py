@@ -28,6 +28,7 @@ from ..errors import RequestError
 from ..probe.call import Marks, TelemetryWindow, build_anatomy
 from ..probe.clock import Clock
 from ..probe.recorder import Recorder, RequestTrace
+from ..prompt import render_prompt
 from ..probe.telemetry import TelemetryStream
 from .metrics import Metrics
 from .protocol import APIError, Request
@@ -129,14 +130,10 @@ class EngineLoop:
         given_max = sampling.pop("max_tokens")
         try:
             engine.sampling_params(**sampling, max_tokens=1)  # the values alone, before any work
-            t_template = time.perf_counter_ns()
-            prompt_text = request.prompt
-            if request.messages is not None:
-                prompt_text = engine.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                                   enable_thinking=request.enable_thinking,
-                                                                   tools=request.tools)
-            t_tokenize = time.perf_counter_ns()
-            ids, _ = engine.render_prompt(request.prompt_token_ids, prompt_text)
+            rendered = render_prompt(engine.tokenizer, messages=request.messages, prompt=request.prompt,
+                                     prompt_token_ids=request.prompt_token_ids,
+                                     enable_thinking=request.enable_thinking, tools=request.tools)
+            ids, prompt_text = rendered.token_ids, rendered.text
             room = min(engine.max_model_len, engine.pool.capacity_tokens) - len(ids)
             if given_max is None and room >= 1:
                 given_max = room  # up to the end of the context (or of the KV pool), as OpenAI does
@@ -145,7 +142,7 @@ class EngineLoop:
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) or "KV cache" in str(e) else None
             raise APIError(400, str(e), param=e.param, code=code) from None
-        marks = Marks(received_ns, t_template, t_tokenize, time.perf_counter_ns())
+        marks = Marks(received_ns, rendered.template_ns, rendered.tokenize_ns, time.perf_counter_ns())
         return Call(uuid.uuid4().hex[:16], request, marks, ids, prompt_text, params, loop)
 
     def another_choice(self, call: Call, index: int) -> Call:
