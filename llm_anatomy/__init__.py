@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 # Imported on first use: the CLI and the telemetry subprocess should not pay for torch unless they need it.
 _EXPORTS = {
     "Engine": "llm_anatomy.engine.engine",
+    "EngineConfig": "llm_anatomy.engine.config",
     "GenerationResult": "llm_anatomy.engine.engine",
     "SamplingParams": "llm_anatomy.engine.sampling",
     "Tokenizer": "llm_anatomy.tokenizer",

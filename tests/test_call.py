@@ -117,8 +117,11 @@ def test_startup_is_recorded_apart_from_the_call(measured):
     console = Console(record=True, width=400)
     render(a, console)
     assert f"Start-up  {line}" in console.export_text()
-    direct = Engine(engine.model, engine.config, engine.tokenizer, engine.source, engine.weights, engine.device,
-                    engine.dtype, engine.defaults, kv_cache_tokens=64, block_size=4)
+    from dataclasses import replace
+
+    direct = Engine(engine.model, engine.config, engine.tokenizer, engine.source, engine.weights,
+                    replace(engine.engine_config, kv_cache_tokens=64, block_size=4), engine.device, engine.dtype,
+                    engine.defaults)
     assert direct.startup_seconds is None
 
 

@@ -160,7 +160,7 @@ def test_lookahead_recorder_sees_every_step(save_tiny):
 
 def test_bad_engine_arguments(save_tiny, monkeypatch):
     from llm_anatomy.errors import AnatomyError
-    import llm_anatomy.engine.engine as engine_module
+    import llm_anatomy.engine.plan as plan_module
 
     directory, _ = save_tiny()
     kw = dict(device="cpu", dtype=torch.float32)
@@ -173,7 +173,7 @@ def test_bad_engine_arguments(save_tiny, monkeypatch):
     for switch in ("cuda_graphs", "pdl", "stream_gemv", "mixed_steps"):
         with pytest.raises(AnatomyError, match=f"{switch} must be True or False, got 'false'"):
             Engine.from_pretrained(directory, kv_cache_tokens=64, **{switch: "false"}, **kw)
-    monkeypatch.setattr(engine_module, "use_kernels", lambda device: False)
+    monkeypatch.setattr(plan_module, "use_kernels", lambda device: False)
     with pytest.raises(AnatomyError, match="fast_path needs Triton and a CUDA device"):
         Engine.from_pretrained(directory, fast_path=True, kv_cache_tokens=64, **kw)
 
@@ -181,7 +181,7 @@ def test_bad_engine_arguments(save_tiny, monkeypatch):
 def test_prefill_graph_buckets_cover_every_whole_prompt_with_bounded_padding():
     """Every prompt the budget lets through whole has a bucket; above 512 tokens (where padding costs compute)
     it pads by less than a quarter, and a 2048-token prompt not at all. Longer prompts run eagerly."""
-    from llm_anatomy.engine.runner import prefill_graph_sizes
+    from llm_anatomy.engine.graphs import prefill_graph_sizes
 
     assert prefill_graph_sizes(8192)[-1] == prefill_graph_sizes(2048)[-1] == 2048
     assert prefill_graph_sizes(1000)[-1] == 1024 and prefill_graph_sizes(100) == [16, 32, 64, 128]
@@ -204,7 +204,7 @@ def test_engine_runs_without_triton(save_tiny):
             "from llm_anatomy import Engine\n"
             f"e = Engine.from_pretrained({str(directory)!r}, device='cpu', dtype=torch.float32, kv_cache_tokens=64)\n"
             "out = e.generate(prompt_token_ids=[1, 2, 3], temperature=0, max_tokens=3, ignore_eos=True)\n"
-            "assert len(out.output_token_ids) == 3 and not e.fast_path\n")
+            "assert len(out.output_token_ids) == 3 and not e.plan.kernels\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -232,26 +232,32 @@ def test_the_engine_never_imports_the_probe():
 
 
 def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine, monkeypatch):
-    """A profiled (eager) decode step must run the attention the CUDA graphs run: the short-context splits and
-    tile for one sequence up to SHORT_CONTEXT, LONG_SPLITS beyond it, the defaults for batches and prefills."""
-    from llm_anatomy.engine import runner as runner_module
+    """A profiled (eager) decode step must run the attention the CUDA graphs run: the plan's short-context splits
+    and tile for one sequence up to its short_context, its long_splits beyond it, the defaults for batches and
+    prefills."""
+    from dataclasses import replace
 
-    monkeypatch.setattr(runner_module, "SHORT_CONTEXT", 6)
+    from llm_anatomy.engine.plan import DecodeAttentionPlan
+    from llm_anatomy.engine.runner import ModelRunner
+
+    attention = DecodeAttentionPlan(short_context=6)
+    runner = ModelRunner(engine.model, engine.pool, engine.device, replace(engine.plan, decode_attention=attention))
     seen = []
-    run = engine.runner.run
+    run = runner.run
 
     def recording(batch, ahead_tokens=None):
-        attn = engine.runner.prepare(batch, ahead=int(ahead_tokens is not None))[2]
+        attn = runner.prepare(batch, ahead=int(ahead_tokens is not None))[2]
         seen.append((batch.is_prefill, len(batch.seqs), int(attn.context_lens.max()), attn.decode_splits,
                      attn.decode_block_n))
         return run(batch, ahead_tokens)
 
-    monkeypatch.setattr(engine.runner, "run", recording)
+    monkeypatch.setattr(runner, "run", recording)
+    monkeypatch.setattr(engine, "runner", runner)
     greedy(engine, [3, 1, 4], max_tokens=6)
     engine.generate_many([[3, 1, 4], [1, 5]], temperature=0, max_tokens=3, ignore_eos=True)
-    short = (runner_module.SHORT_SPLITS, runner_module.SHORT_BLOCK_N)
+    short = (attention.short_splits, attention.short_block_n)
     for is_prefill, n, longest, splits, block_n in seen:
         want = (None, None) if is_prefill else short if n == 1 and longest <= 6 else \
-            (runner_module.LONG_SPLITS, None) if n == 1 else (None, None)
+            (attention.long_splits, None) if n == 1 else (None, None)
         assert (splits, block_n) == want
-    assert {s[3] for s in seen if not s[0]} == {runner_module.SHORT_SPLITS, runner_module.LONG_SPLITS, None}
+    assert {s[3] for s in seen if not s[0]} == {attention.short_splits, attention.long_splits, None}

@@ -34,43 +34,75 @@ def compiled_kernels() -> int:
 def test_every_decode_gemv_shape_gets_a_tuned_tile(engine):
     import dataclasses
 
+    from llm_anatomy.engine.tuning import gemv_keys
     from llm_anatomy.kernels.gemv import CANDIDATE_TILES, PREFETCH_CHOICES
 
-    tuning = engine.runner.tile_tuning
+    tuning = engine.tile_tuning
     assert tuning.source == "tuned" and tuning.step_ms > 0
-    assert set(tuning.tiles) == set(engine.runner._gemv_keys()) and len(tuning.tiles) == 5
+    assert set(tuning.tiles) == set(gemv_keys(engine.model)) == set(engine.plan.gemv_tiles) and len(tuning.tiles) == 5
     for t in tuning.tiles.values():  # a candidate, read ahead of the PDL wait or not
         assert dataclasses.replace(t, prefetch=0) in CANDIDATE_TILES and t.prefetch in (0, *PREFETCH_CHOICES), t
 
 
 def test_eager_prefill_at_a_new_length_compiles_nothing(engine):
-    graphs, engine.runner.prefill_graphs = engine.runner.prefill_graphs, {}  # every prefill eager
-    try:
+    with engine.eager():  # every prefill eager; the first compiles the launches without PDL
+        engine.generate(prompt_token_ids=list(range(1, 3000)), temperature=0, max_tokens=2, ignore_eos=True)
         before = compiled_kernels()
         for n in (1025, 1100, 3001, 3002, 77, 2050):
             ids = torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(n)).tolist()
             out = engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=2, ignore_eos=True)
             assert len(out.output_token_ids) == 2
         assert compiled_kernels() == before
-    finally:
-        engine.runner.prefill_graphs = graphs
 
 
-def test_short_context_decode_graph_gives_the_long_ones_logits(engine):
-    """Batch 1 at a short context replays the graph whose attention has 16 splits of 64-token tiles; its
-    logits must be those of the default graph (33 splits of 128), up to bf16 rounding of the merge order."""
-    runner = engine.runner
-    assert set(runner.short_graphs) == {1}
+def test_short_context_decode_graph_gives_the_long_ones_logits(engine, monkeypatch):
+    """Batch 1 at a short context replays the graph whose attention has 16 splits of 64-token tiles; its logits
+    must be those of the long-context attention (48 splits of 128: here eagerly, by a plan whose short context is
+    0), up to bf16 rounding of the merge order."""
+    from dataclasses import replace
+
+    from llm_anatomy.engine.plan import DecodeAttentionPlan
+    from llm_anatomy.engine.runner import ModelRunner
+
+    assert engine.graphs.describe()["short_context_batch_sizes"] == [1]
     ids = torch.randint(0, 151643, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    long_only = ModelRunner(engine.model, engine.pool, engine.device,
+                            replace(engine.plan, decode_attention=DecodeAttentionPlan(short_context=0)))
     logits = []
-    for graphs in (runner.short_graphs, {}):
-        short, runner.short_graphs = runner.short_graphs, graphs
+    for runner in (engine.runner, long_only):
         run, rows = runner.run, []
-        runner.run = lambda batch, ahead=None: rows.append(run(batch, ahead).clone()) or rows[-1]
-        try:
+        with monkeypatch.context() as mp:
+            mp.setattr(engine, "runner", runner)
+            mp.setattr(runner, "run", lambda batch, ahead=None, run=run, rows=rows:
+                       rows.append(run(batch, ahead).clone()) or rows[-1])
             engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=4, ignore_eos=True)
-        finally:
-            runner.short_graphs, runner.run = short, run
         logits.append(torch.cat(rows[1:]))  # the decode steps
     a, b = logits
     assert a.shape == b.shape and a.shape[0] >= 3 and ((a - b).norm() / b.norm()).item() < 2e-2
+
+
+def test_two_engines_with_different_plans_run_side_by_side(engine):
+    """Two plans in one process: an engine with graphs, PDL and the streaming GEMV, and one on the same weights
+    with the fused kernels launched eagerly (no graphs, no PDL). Each gives, interleaved with the other, exactly
+    the tokens and logprobs it gives alone."""
+    from llm_anatomy import Engine
+
+    other = Engine.from_pretrained("Qwen/Qwen3-0.6B", device="cuda", weights="synthetic", max_model_len=4096,
+                                   kv_cache_tokens=4096, max_num_seqs=2, cuda_graphs=False)
+    assert engine.plan.cuda_graphs and engine.plan.pdl and not other.plan.cuda_graphs and not other.plan.pdl
+    prompts = [torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 700)]
+
+    def run(e, ids):
+        out = e.generate(prompt_token_ids=ids, temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+        return out.output_token_ids, [lp for lp, _ in out.logprobs]
+
+    alone = {(name, i): run(e, ids) for name, e in (("a", engine), ("b", other)) for i, ids in enumerate(prompts)}
+    for i, ids in enumerate(prompts):  # the same request on both engines at once, one step of each in turn
+        seqs = {name: e.add_request(ids, e.sampling_params(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1))
+                for name, e in (("a", engine), ("b", other))}
+        while not all(s.finished for s in seqs.values()):
+            for e in (engine, other):
+                if e.has_work():
+                    e.step()
+        for name, seq in seqs.items():
+            assert (seq.output_token_ids, [lp for lp, _ in seq.logprobs]) == alone[(name, i)], (name, i)

@@ -150,8 +150,10 @@ def test_gemv(rows, dtype):
 def test_gemv_every_candidate_tile(monkeypatch):
     """Start-up may pick any candidate tile for a shape: each must give the same product (here 80 rows, so
     the last program of every BLOCK_N is partly masked, and K = 1024, two or more BLOCK_K steps)."""
+    from llm_anatomy.engine.plan import ExecutionPlan
     from llm_anatomy.kernels import gemv as gemv_module
-    from llm_anatomy.kernels.gemv import CANDIDATE_TILES, DEFAULT_TILE, TILES, Tile, tile_key
+    from llm_anatomy.kernels.gemv import CANDIDATE_TILES, DEFAULT_TILE, Tile, tile_key
+    from llm_anatomy.models.qwen3 import skinny_product
 
     from triton.runtime.errors import OutOfResources
 
@@ -169,10 +171,11 @@ def test_gemv_every_candidate_tile(monkeypatch):
     monkeypatch.setattr(gemv_module, "_gemv_kernel", type("Spy", (), {
         "__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
     key = tile_key(80, 1024, False, dtype)
-    monkeypatch.setitem(TILES, key, Tile(16, 512, 4, 3))  # the tuned tile is the one a call without `tile` uses
-    assert rel(gemv(x, w[:80]), plain) < TOL[dtype]
-    del TILES[key]
-    gemv(x, w[:80])
+    tuned = ExecutionPlan(kernels=True).with_tiles({key: Tile(16, 512, 4, 3)})
+    untuned = ExecutionPlan(kernels=True)
+    with torch.no_grad():  # the plan's tuned tile is the one the model's product uses; else the default
+        for plan in (tuned, untuned):
+            assert rel(skinny_product(x, w[:80], plan), plain) < TOL[dtype]
     assert grids == [(5,), (-(-80 // DEFAULT_TILE[w.element_size()].block_n),)]
 
 
@@ -277,38 +280,41 @@ def test_prefill_gated_matmul_applies_to_long_bf16_prompts_on_hopper_only():
     assert not supports_gated(long, w[:3 * GATED_TILE.bn])  # an intermediate size the tile does not divide
 
 
-def test_residual_linear_adds_into_the_stream_on_gemms_only(monkeypatch):
+def test_residual_linear_adds_into_the_stream_on_gemms_only():
     """o_proj/down on the fast path: a GEMM (prefill) adds into the residual stream in place and returns None, for
-    the norm after it to read the stream alone; a GEMV (decode) returns its product for the norm's fused add."""
+    the norm after it to read the stream alone; a GEMV (decode) returns its product for the norm's fused add. A plan
+    without residual_in_gemm returns the product either way."""
+    from llm_anatomy.engine.plan import REFERENCE_PLAN, ExecutionPlan
     from llm_anatomy.models import qwen3
 
+    plan = ExecutionPlan(kernels=True, residual_in_gemm=True)
     layer = torch.nn.Linear(512, 64, bias=False).to(DEVICE)
     for rows, gemm in ((40, True), (2, False)):
         x, residual = rand(rows, 512, seed=rows), rand(rows, 64, seed=rows + 1)
         before = residual.clone()
         want = F.linear(x, layer.weight)
         with torch.no_grad():
-            got = qwen3.residual_linear(x, layer, True, residual)
+            got = qwen3.residual_linear(x, layer, plan, residual)
         if gemm:
             assert got is None and rel(residual, before + want) < TOL[torch.float32]
         else:
             assert torch.equal(residual, before) and rel(got, want) < TOL[torch.float32]
-    monkeypatch.setattr(qwen3, "RESIDUAL_IN_GEMM", False)
     x, residual = rand(40, 512), rand(40, 64, seed=1)
     with torch.no_grad():
-        assert rel(qwen3.residual_linear(x, layer, True, residual), F.linear(x, layer.weight)) < TOL[torch.float32]
-        assert rel(qwen3.residual_linear(x, layer, False, residual), F.linear(x, layer.weight)) < TOL[torch.float32]
+        for other in (ExecutionPlan(kernels=True), REFERENCE_PLAN):
+            assert rel(qwen3.residual_linear(x, layer, other, residual), F.linear(x, layer.weight)) < TOL[torch.float32]
 
 
 def test_pending_norm_falls_back_to_the_norm_kernel_where_the_gemv_cannot_take_it():
     """A PendingNorm whose product the streaming GEMV does not take (here: no CUDA, or float32) runs the norm kernel
     into its new residual buffer, then the plain product; the residual it was given stays as it was. On the CPU no
-    norm is ever left pending (stream_gemv.streams is off), so this is the fallback's only CPU check; the fused
-    path is tests/test_stream_gemv.py's."""
+    norm is ever left pending (no plan streams there), so this is the fallback's only CPU check; the fused path is
+    tests/test_stream_gemv.py's."""
+    from llm_anatomy.engine.plan import ExecutionPlan
     from llm_anatomy.models import qwen3
 
+    plan = ExecutionPlan(kernels=True)
     norm_module = qwen3.RMSNorm(512, 1e-6).to(DEVICE)
-    norm_module.fast = True
     with torch.no_grad():
         norm_module.weight.copy_(1 + 0.1 * rand(512, seed=3))
     layer = torch.nn.Linear(512, 64, bias=True).to(DEVICE)
@@ -316,10 +322,12 @@ def test_pending_norm_falls_back_to_the_norm_kernel_where_the_gemv_cannot_take_i
     before = residual.clone()
     pending = qwen3.PendingNorm(x, residual, norm_module, torch.empty_like(residual))
     with torch.no_grad():
-        y = qwen3.linear(pending, layer, True)
+        y = qwen3.linear(pending, layer, plan)
         stream = before.clone()
         want = F.linear(rmsnorm_reference(x, norm_module.weight, 1e-6, residual=stream), layer.weight, layer.bias)
     assert torch.equal(residual, before) and rel(pending.new_residual, stream) < TOL[torch.float32]
     assert rel(y, want) < TOL[torch.float32]
     # and a norm is left pending only where the streaming GEMV would run: never on this machine or in float32
-    assert norm_module.add_forward(x, residual.clone(), defer=True)[0].__class__ is torch.Tensor
+    streaming = ExecutionPlan(kernels=True, stream_gemv=True, norm_in_gemv=True)
+    for p in (plan, streaming):
+        assert norm_module.add_forward(x, residual.clone(), p, defer=True)[0].__class__ is torch.Tensor

@@ -37,13 +37,7 @@ def test_plan_fits_a_hopper_block_and_stages_are_whole():
 
 @pytest.fixture
 def streaming():
-    from llm_anatomy.kernels.pdl import enable_pdl
-
-    enable_pdl(torch.device("cuda"))
-    saved = sg.STREAM.on
-    assert sg.enable_stream_gemv(torch.device("cuda"))
-    yield
-    sg.STREAM.on = saved
+    assert sg.available(torch.device("cuda"))
 
 
 @cuda
@@ -106,7 +100,7 @@ def test_chain_in_a_cuda_graph_with_pdl(streaming):
     def chain():
         x = x0
         for w in ws:
-            x = sg.stream_gemv(x, w)
+            x = sg.stream_gemv(x, w, pdl=True)
         return x
 
     eager = chain()
@@ -124,16 +118,16 @@ def test_chain_in_a_cuda_graph_with_pdl(streaming):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("norm_in_gemv", [True, False])
-def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, monkeypatch, norm_in_gemv):
+def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, monkeypatch):
     """A bf16 model whose every decode GEMV streams (K multiples of 2048), the norms before qkv and gate_up inside
-    them or not: the same greedy tokens and logits within bf16 rounding of the engine with the Triton GEMV at
-    batch 1, graphs and programmatic launch on."""
+    them (the engine's plan) or not (the same plan without norm_in_gemv, eager): the same greedy tokens and logits
+    within bf16 rounding of the engine with the Triton GEMV at batch 1, graphs and programmatic launch on."""
+    from dataclasses import replace
+
     from llm_anatomy import Engine
-    from llm_anatomy.models import qwen3
+    from llm_anatomy.engine.runner import ModelRunner
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # tiles tuned here stay here
-    monkeypatch.setattr(qwen3, "NORM_IN_GEMV", norm_in_gemv)
     normed_launches = []
     real = sg.stream_gemv
     monkeypatch.setattr(sg, "stream_gemv", lambda *a, **kw: normed_launches.append(kw.get("norm") is not None)
@@ -141,22 +135,25 @@ def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, 
     directory, _ = save_tiny(hidden_size=2048, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4,
                              head_dim=128, num_hidden_layers=2, vocab_size=4096, initializer_range=0.02, shard=None)
     out = {}
-    for streaming in (True, False):
-        engine = Engine.from_pretrained(directory, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=512,
-                                        max_num_seqs=2, stream_gemv=streaming)
-        assert engine.stream_gemv == streaming
+    engines = {streaming: Engine.from_pretrained(directory, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=512,
+                                                 max_num_seqs=2, stream_gemv=streaming) for streaming in (True, False)}
+    assert engines[True].plan.stream_gemv and engines[True].plan.norm_in_gemv and not engines[False].plan.stream_gemv
+    apart = engines[True]
+    variants = {"fused": engines[True], "triton": engines[False], "norms apart": apart}
+    for name, engine in variants.items():
+        runner = engine.runner
+        if name == "norms apart":
+            runner = ModelRunner(engine.model, engine.pool, engine.device, replace(engine.plan, norm_in_gemv=False))
+            monkeypatch.setattr(engine, "runner", runner)
         rows = []
-        run = engine.runner.run
-
-        def recording(batch, ahead=None, run=run, rows=rows):
-            rows.append(run(batch, ahead).clone())
-            return rows[-1]
-
-        engine.runner.run = recording
+        run = runner.run
+        monkeypatch.setattr(runner, "run", lambda batch, ahead=None, run=run, rows=rows:
+                            rows.append(run(batch, ahead).clone()) or rows[-1])
+        normed_launches.clear()
         tokens = engine.generate_many([[5, 9, 2, 7, 1, 3]], temperature=0, max_tokens=12, ignore_eos=True)
-        out[streaming] = torch.cat(rows), tokens[0].output_token_ids
-        del engine
-    assert out[True][1] == out[False][1]
-    assert all(normed_launches) and bool(normed_launches) == norm_in_gemv  # qkv and gate_up, but layer 0's qkv
-    a, b = out[True][0], out[False][0]
-    assert ((a - b).norm() / b.norm()).item() < 2e-2
+        out[name] = torch.cat(rows), tokens[0].output_token_ids, list(normed_launches)
+    assert out["fused"][1] == out["triton"][1] == out["norms apart"][1]
+    assert any(out["fused"][2]) and not any(out["norms apart"][2]) and not out["triton"][2]
+    for name in ("fused", "norms apart"):
+        a, b = out[name][0], out["triton"][0]
+        assert ((a - b).norm() / b.norm()).item() < 2e-2, name

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -14,17 +16,19 @@ import torch
 from ..errors import AnatomyError, RequestError, WeightsError
 from ..hub import ModelSource, presets, read_json, resolve
 from ..models.attention import AttentionBatch
-from ..models.config import ModelConfig, parse_dtype
-from ..kernels import use_kernels
+from ..models.config import ModelConfig, dtype_name, parse_dtype
 from ..models.loader import WeightsInfo, build_model, has_checkpoint, init_synthetic, load_checkpoint
-from ..models.qwen3 import enable_fast_path
 from ..prompt import render_prompt
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .config import EngineConfig
 from .events import Observer, Step
+from .graphs import GraphRunner
 from .kv_cache import BlockTable, KVCachePool
+from .plan import choose_plan
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, logprobs_of
 from .scheduler import ScheduledBatch, Scheduler, Sequence
+from .tuning import TileTuning, tune_gemv_tiles
 
 log = logging.getLogger("llm_anatomy")
 
@@ -107,104 +111,130 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 
 
 class Engine:
+    """One model on one device with its KV pool, scheduler, execution plan and graphs. Build it with
+    `from_pretrained` (or `from_config`); run requests with `generate`, `generate_many`, or `add_request`
+    and `step`."""
+
     def __init__(self, model, config: ModelConfig, tokenizer: Tokenizer, source: ModelSource, weights: WeightsInfo,
-                 device: torch.device, dtype: torch.dtype, defaults: GenerationDefaults, *,
-                 kv_cache_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16, seed: int | None = None,
-                 fast_path: bool | None = None, cuda_graphs: bool = True, lookahead: bool | None = None,
-                 pdl: bool = True, stream_gemv: bool = True, mixed_steps: bool = False):
-        self.startup_seconds: float | None = None  # set by from_pretrained: the whole load, capture included
+                 engine_config: EngineConfig, device: torch.device, dtype: torch.dtype, defaults: GenerationDefaults,
+                 progress: Callable[[str], None] | None = None):
+        self.startup_seconds: float | None = None  # set by from_config: the whole load, capture included
         self.model = model
-        self.config = config
+        self.config = config  # the model's (config.json)
+        self.engine_config = engine_config
         self.tokenizer = tokenizer
         self.source = source
         self.weights = weights
         self.device = device
         self.dtype = dtype
         self.defaults = defaults
-        for name, switch in (("cuda_graphs", cuda_graphs), ("pdl", pdl), ("stream_gemv", stream_gemv),
-                             ("mixed_steps", mixed_steps)):
-            if not isinstance(switch, bool):  # a string such as "false" would read as on
-                raise AnatomyError(f"{name} must be True or False, got {switch!r}")
-        if max_model_len is not None and not 0 < max_model_len <= config.max_position_embeddings:
+        progress = progress or (lambda stage: None)
+        cfg = engine_config
+        if cfg.max_model_len is not None and cfg.max_model_len > config.max_position_embeddings:
             raise AnatomyError(f"max_model_len must be in 1..{config.max_position_embeddings} "
-                               f"(the model's max_position_embeddings), got {max_model_len}")
-        self.max_model_len = max_model_len or config.max_position_embeddings
-        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
-            raise AnatomyError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+                               f"(the model's max_position_embeddings), got {cfg.max_model_len}")
+        self.max_model_len = cfg.max_model_len or config.max_position_embeddings
         # Tokens forwarded per step: longer prompts are prefilled in chunks of this size.
-        self.max_num_batched_tokens = max_num_batched_tokens or min(self.max_model_len, 8192)
-        self._whole_prompt_tokens = min(self.max_model_len, self.max_num_batched_tokens)  # longest unchunked
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        # The fused Triton kernels and decode CUDA graphs: on by default on CUDA; the PyTorch path elsewhere.
-        self.fast_path = use_kernels(device) and device.type == "cuda" if fast_path is None else fast_path
-        if self.fast_path and not use_kernels(device):
-            raise AnatomyError("fast_path needs Triton and a CUDA device")
-        enable_fast_path(model, self.fast_path)
-        blocks = self._kv_blocks(kv_cache_tokens, gpu_memory_utilization)
-        self.pool = KVCachePool(config, blocks, block_size, dtype, device)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, self.max_num_batched_tokens, mixed_steps)
-        self.runner = ModelRunner(model, self.pool, device)
-        self.pdl = self.stream_gemv = False
-        if cuda_graphs and self.fast_path and device.type == "cuda":  # graphs replay the fused-kernel path
-            from ..kernels.pdl import enable_pdl
-            from ..kernels.stream_gemv import enable_stream_gemv
-
-            self.pdl = enable_pdl(device, pdl)
-            # batch-1 GEMVs stream their weights before their PDL wait (kernels/stream_gemv.py): without PDL
-            # nothing overlaps, and the Triton GEMV serves
-            self.stream_gemv = enable_stream_gemv(device, stream_gemv and self.pdl)
-            try:
-                self.runner.capture(max_num_seqs, self.max_model_len, self._whole_prompt_tokens)
-            except RuntimeError as e:  # a driver that cannot capture programmatic launches: without them
-                if not self.pdl:
-                    raise
-                log.warning("CUDA graph capture with programmatic dependent launch failed (%s); retrying "
-                            "without it", str(e).splitlines()[0])
-                self.pdl = enable_pdl(device, False)
-                self.stream_gemv = enable_stream_gemv(device, False)
-                self.runner = ModelRunner(model, self.pool, device)
-                self.runner.capture(max_num_seqs, self.max_model_len, self._whole_prompt_tokens)
-        self.sampler = Sampler(device, seed)
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens or min(self.max_model_len, 8192)
+        self.block_size = cfg.block_size
+        self.max_num_seqs = cfg.max_num_seqs
+        self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_fp8 else dtype  # what the KV pool stores
+        self.plan = choose_plan(cfg, device, dtype_name(model.model.layers[0].self_attn.qkv_proj.weight.dtype),
+                                dtype_name(self.kv_dtype))
+        progress("sizing the KV cache")
+        blocks = self._kv_blocks(cfg.kv_cache_tokens, cfg.gpu_memory_utilization)
+        self.pool = KVCachePool(config, blocks, cfg.block_size, self.kv_dtype, device)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, self.max_num_batched_tokens, cfg.mixed_steps)
+        self.graphs: GraphRunner | None = None
+        self.tile_tuning: TileTuning | None = None
+        if self.plan.cuda_graphs:
+            self.graphs = GraphRunner(model, self.pool, device, cfg.max_num_seqs, self.max_model_len)
+            if self.plan.kernels:
+                progress("tuning the decode GEMVs' tiles (once per GPU and version; cached)")
+                self.plan, self.tile_tuning = tune_gemv_tiles(self.plan, model, self.graphs, device)
+            progress("compiling kernels and capturing CUDA graphs")
+            self.graphs.capture(self.plan, min(self.max_model_len, self.max_num_batched_tokens))
+        self.runner = ModelRunner(model, self.pool, device, self.plan, self.graphs)
+        if self.plan.kernels and device.type == "cuda":
+            self.runner.build_attention_plans(min(self.max_model_len, self.max_num_batched_tokens))
+        self.sampler = Sampler(device, cfg.seed)
         if device.type == "cuda":
             self.sampler.warmup(config.vocab_size)
         self.observers: list[Observer] = []
         self._ids = itertools.count()
         self._steps = itertools.count()
-        # Launch decode step n+1 before reading step n's tokens back, so the host's work (detokenizing,
-        # stop checks, scheduling) overlaps the device's. Pays only where the device runs asynchronously.
-        self.lookahead = device.type == "cuda" if lookahead is None else lookahead
         self._ahead: _Pending | None = None
         if device.type == "cuda":  # two steps' sampled tokens can be in flight at once
-            self._host_tokens = torch.zeros(2, max(max_num_seqs, 1), dtype=torch.int64).pin_memory()
+            self._host_tokens = torch.zeros(2, max(cfg.max_num_seqs, 1), dtype=torch.int64).pin_memory()
             self._host_flip = 0
+
+    @property
+    def lookahead(self) -> bool:
+        """Launch decode step n+1 before reading step n's tokens back, so the host's work (detokenizing, stop
+        checks, scheduling) overlaps the device's. Pays only where the device runs asynchronously."""
+        return self.plan.lookahead
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Steps inside run without CUDA graphs, programmatic dependent launch or lookahead: each kernel launched
+        by the host on its own, as profilers (torch.profiler, Nsight Compute) need. The plan is back on exit."""
+        self._ahead = None
+        with self.runner.eager():
+            plan, self.plan = self.plan, replace(self.plan, lookahead=False)
+            try:
+                yield
+            finally:
+                self.plan = plan
+
+    def describe(self) -> dict:
+        """The engine's settings, its plan and its graphs, as the anatomy records them."""
+        return {"config": self.engine_config.describe(), "plan": self.plan.describe(),
+                "graphs": self.graphs.describe() if self.graphs is not None else None,
+                "tile_tuning": None if self.tile_tuning is None else {
+                    "source": self.tile_tuning.source, "seconds": self.tile_tuning.seconds}}
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = "Qwen/Qwen3-0.6B", device=None, dtype=None,
-                        weights: str | os.PathLike = "auto", *, seed: int = 0, **engine_args) -> "Engine":
-        """Load a model: `weights` is "auto" (real ones if found locally, else synthetic), "synthetic" or a directory."""
+                        weights: str | os.PathLike = "auto", *, seed: int = 0,
+                        progress: Callable[[str], None] | None = None, **settings) -> "Engine":
+        """Load a model: `weights` is "auto" (real ones if found locally, else synthetic), "synthetic" or a
+        directory; `settings` are EngineConfig's (kv_cache_tokens, max_num_seqs, quantization, ...). `progress`,
+        if given, is called with a few words as start-up moves from stage to stage."""
+        config = EngineConfig.from_settings(
+            model=str(name_or_path), weights=str(weights), device=None if device is None else str(device),
+            dtype=None if dtype is None else dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype,
+            seed=seed, **settings)
+        return cls.from_config(config, progress)
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, progress: Callable[[str], None] | None = None) -> "Engine":
         start = time.perf_counter()
-        source = resolve(name_or_path)
+        progress = progress or (lambda stage: None)
+        progress("resolving the model")
+        source = resolve(cfg.model)
         config = ModelConfig.from_hf(source.config)
-        device = parse_device(device)
-        dtype = parse_dtype(dtype if dtype is not None else config.torch_dtype)
-        weights_dir = cls._weights_dir(source, weights)
+        device = parse_device(cfg.device)
+        dtype = parse_dtype(cfg.dtype if cfg.dtype is not None else config.torch_dtype)
+        weights_dir = cls._weights_dir(source, cfg.weights)
         tokenizer = Tokenizer.from_pretrained(source.directory or weights_dir or source.name)
         model = build_model(config, device, dtype)
         if weights_dir is not None:
+            progress(f"loading weights from {weights_dir}")
             info = load_checkpoint(model, weights_dir)
         else:
-            if str(weights) == "auto":
+            if cfg.weights == "auto":
                 log.warning("No local weights for %s: running synthetic random weights (timings, memory and "
                             "energy are real; the text is not). For the real model: `hf download %s`, then "
                             "run again, or pass --weights DIR.", source.name, source.name)
-            info = init_synthetic(model, seed)
-        engine = cls(model, config, tokenizer, source, info, device, dtype,
-                     GenerationDefaults.for_source(source, config), seed=seed, **engine_args)
+            progress("initialising synthetic weights")
+            info = init_synthetic(model, cfg.seed)
+        if cfg.quantization is not None:
+            raise AnatomyError(f"quantization {cfg.quantization!r} is not available in this build")
+        engine = cls(model, config, tokenizer, source, info, cfg, device, dtype,
+                     GenerationDefaults.for_source(source, config), progress)
         engine.startup_seconds = time.perf_counter() - start
+        progress("ready")
         return engine
 
     @staticmethod
@@ -219,14 +249,10 @@ class Engine:
         return path
 
     def _kv_blocks(self, kv_cache_tokens: int | None, gpu_memory_utilization: float) -> int:
-        bytes_per_block = self.config.kv_bytes_per_token(self.dtype) * self.block_size
+        bytes_per_block = self.config.kv_bytes_per_token(self.kv_dtype) * self.block_size
         if kv_cache_tokens is not None:
-            if kv_cache_tokens < 1:
-                raise AnatomyError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
             return -(-kv_cache_tokens // self.block_size)
         if self.device.type == "cuda":
-            if not 0 < gpu_memory_utilization <= 1:
-                raise AnatomyError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
             activation_peak = self._measure_activation_peak()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - gpu_memory_utilization) * total - activation_peak
@@ -241,14 +267,15 @@ class Engine:
     def _measure_activation_peak(self) -> int:
         """Peak bytes a prefill of max_num_batched_tokens needs beyond the weights (warm-up run, temporary pool)."""
         tokens = self.max_num_batched_tokens
-        pool = KVCachePool(self.config, -(-tokens // self.block_size), self.block_size, self.dtype, self.device)
+        pool = KVCachePool(self.config, -(-tokens // self.block_size), self.block_size, self.kv_dtype, self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         batch = AttentionBatch.fresh_prompt(pool.k, pool.v, torch.arange(tokens, device=self.device))
         ids = torch.randint(0, self.config.vocab_size, (tokens,), device=self.device)
-        hidden = self.model(ids, torch.arange(tokens, device=self.device), batch)
-        self.model.compute_logits(hidden[-1:])
+        plan = self.plan.eager()
+        hidden = self.model(ids, torch.arange(tokens, device=self.device), batch, plan)
+        self.model.compute_logits(hidden[-1:], plan)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del pool, batch, hidden
@@ -335,23 +362,45 @@ class Engine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One prefill or decode step over the scheduled batch: its tokens are appended (and, with lookahead,
-        the next decode step is already running on the device). Returns the step's sequences."""
-        pending, self._ahead = self._ahead or self._launch(), None
-        if pending is None:
-            return []
-        if self._can_run_ahead(pending):
-            self._ahead = self._launch_ahead(pending)
-        self._complete(pending)
-        return pending.batch.seqs
+        the next decode step is already running on the device). Returns the step's sequences.
 
-    def _launch(self) -> "_Pending | None":
-        observers = self.observers
-        t_start = time.perf_counter_ns() if observers else 0
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return None
+        A failure never escapes: one confined to a sequence (its detokenizing, its stop checks) ends that sequence
+        with finish_reason "error" and `seq.error`; a failure of the whole step (the forward, the sampler) ends
+        every sequence of the step that way. Their KV blocks are freed and the engine goes on with the others."""
+        seqs: list[Sequence] = []
+        try:
+            pending, self._ahead = self._ahead, None
+            if pending is None:
+                t_start = time.perf_counter_ns() if self.observers else 0
+                batch = self.scheduler.schedule()
+                if batch is None:
+                    return []
+                seqs = batch.seqs
+                pending = self._launch(batch, t_start)
+            seqs = pending.batch.seqs
+            if self._can_run_ahead(pending):
+                self._ahead = self._launch_ahead(pending)
+            self._complete(pending)
+            return seqs
+        except Exception as e:  # noqa: BLE001 - the step's requests end with the error, the engine goes on
+            log.exception("a step failed")
+            return self._fail(seqs or list(self.scheduler.running), e)
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> list[Sequence]:
+        self._ahead = None  # a step launched ahead of a failed one cannot be trusted
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            why = "out of device memory while running this request; retry, or lower max_tokens or concurrency"
+        else:
+            why = f"the step running this request failed: {type(error).__name__}: {error}"
+        for seq in seqs:
+            if not seq.finished:
+                seq.error = why
+                self._finish(seq, "error")
+        return seqs
+
+    def _launch(self, batch: ScheduledBatch, t_start: int) -> "_Pending":
         step = None
-        if observers:
+        if self.observers:
             step = Step(next(self._steps), batch.is_prefill, batch.seqs, list(batch.query_lens),
                         [s.num_cached + n for s, n in zip(batch.seqs, batch.query_lens)], t_start,
                         t_launch_ns=time.perf_counter_ns())
@@ -426,9 +475,13 @@ class Engine:
             if token is None:  # a chunk of a prompt: no token yet
                 continue
             t = time.perf_counter_ns() if step is not None else 0
-            if seq.logprobs is not None:
-                seq.logprobs.append(logprobs[i])
-            self._append_token(seq, token)
+            try:
+                if seq.logprobs is not None:
+                    seq.logprobs.append(logprobs[i])
+                self._append_token(seq, token)
+            except Exception as e:  # noqa: BLE001 - this sequence's failure ends it alone
+                log.exception("request %s failed", seq.request_id)
+                self._fail([seq], e)
             if step is not None:
                 step.detokenize_ns += time.perf_counter_ns() - t
                 if seq.finished:

@@ -43,7 +43,8 @@ class Sequence:
     block_table: BlockTable
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # with finish_reason "error": what failed, for the caller to report
     num_cached: int = 0  # positions whose K/V are in the cache
     text: str = ""  # detokenized output (cut at a stop string)
     generator: torch.Generator | None = None  # set when the request has a seed

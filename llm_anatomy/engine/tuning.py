@@ -13,11 +13,13 @@ best tiles), and a later start-up reads it back.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..disk_cache import cache_file, read_entries, write_entry
@@ -40,7 +42,7 @@ def _candidates(candidates: Sequence[Tile] | None) -> Sequence[Tile]:
 class TileTuning:
     """What start-up did about the GEMV tiles."""
     tiles: dict[tuple, Tile]  # tile_key -> tile in use
-    source: str  # "tuned" (some timed now), "cache" (all read back)
+    source: str  # "tuned" (some timed now), "cache" (all read back), "shipped" (the package's table for this GPU)
     seconds: float
     step_ms: float | None = None  # the batch-1 decode step with the chosen tiles, when tuned now
 
@@ -143,6 +145,32 @@ def store_tiles(device: str, pdl: bool, tiles: dict[tuple, Tile], cache_dir: str
     return write_entry(path, CACHE_FORMAT, cache_key, entry)
 
 
+def shipped_tiles(device: str, pdl: bool, keys: Sequence[tuple], candidates: Sequence[Tile] | None = None
+                  ) -> dict[tuple, Tile]:
+    """Tiles tuned on a GPU of this model and shipped with the package (data/gemv_tiles.json, whose header says
+    where and with what they were measured), for a first start-up that would otherwise tune for most of a
+    minute. Keyed by the GPU's name alone: tiles tuned with other kernel or library versions are still correct,
+    at worst a little slower, and a later start-up's own tuning can replace them (`calibrate --force`)."""
+    from ..kernels.gemv import Tile, prefetch_variants
+
+    path = Path(__file__).resolve().parent.parent / "data" / "gemv_tiles.json"
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    gpu = device.split(" | ")[0]
+    entry = table.get("entries", {}).get(f"{gpu} | pdl {'on' if pdl else 'off'}", {})
+    candidates = _candidates(candidates)
+    found = {}
+    for key in keys:
+        value = entry.get(_entry_key(key))
+        if isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value):
+            tile, base = Tile(*value), Tile(*value[:4])
+            if base in candidates and (tile == base or tile in prefetch_variants(base, key[1])):
+                found[key] = tile
+    return found
+
+
 def tune_tiles(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callable[[], float], device: str,
                pdl: bool, cache_dir: str | os.PathLike | None = None,
                candidates: Sequence[Tile] | None = None) -> TileTuning:
@@ -153,9 +181,46 @@ def tune_tiles(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callabl
     missing = [k for k in keys if k not in found]
     if not missing:
         return TileTuning({k: tiles[k] for k in keys}, "cache", time.perf_counter() - start)
+    shipped = shipped_tiles(device, pdl, missing, candidates)
+    if len(shipped) == len(missing):
+        tiles.update(shipped)
+        return TileTuning({k: tiles[k] for k in keys}, "shipped", time.perf_counter() - start)
     ms = coordinate_descent(missing, tiles, step_ms, candidates)
     try:
         store_tiles(device, pdl, {k: tiles[k] for k in keys}, cache_dir)
     except OSError as e:  # a cache that cannot be written costs the next start-up a tuning, nothing more
         warnings.warn(f"could not save the GEMV tiles: {e}", stacklevel=2)
     return TileTuning({k: tiles[k] for k in keys}, "tuned", time.perf_counter() - start, ms)
+
+
+def gemv_keys(model) -> list[tuple]:
+    """The decode step's GEMV shapes (the linear layers whose inputs the Triton GEMV takes), largest first."""
+    from torch import nn
+
+    from ..kernels.gemv import tile_key
+
+    keys = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and m.in_features % 512 == 0:
+            gated = name.endswith("gate_up_proj")
+            n = m.out_features // 2 if gated else m.out_features
+            keys[tile_key(n, m.in_features, gated, m.weight.dtype)] = m.weight.numel()
+    return sorted(keys, key=lambda k: -keys[k])
+
+
+def tune_gemv_tiles(plan, model, graphs, device, cache_dir: str | os.PathLike | None = None):
+    """The plan with each GEMV shape's tile, tuned inside the captured batch-1 decode step at a context of up to
+    512 tokens (whatever the KV pool holds; nothing is stored), or read from the cache; and what was done.
+    The tiles serve the Triton GEMV (batches of 2-16 rows, and batch 1 where the plan does not stream): they are
+    timed with batch 1 on it."""
+    pool = graphs.pool
+    context = min(512, pool.num_blocks * pool.block_size, graphs.tables.shape[1] * pool.block_size)
+    timer = graphs.decode_step_timer(context)
+    on_triton = replace(plan, stream_gemv=False, norm_in_gemv=False)
+    tiles: dict[tuple, Tile] = {}
+    try:
+        tuning = tune_tiles(gemv_keys(model), tiles, lambda: timer(on_triton.with_tiles(tiles)), device_tag(device),
+                            plan.pdl, cache_dir)
+    finally:
+        graphs.reset_buffers()
+    return plan.with_tiles(tuning.tiles), tuning

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .pdl import PDL, gdc_enter
+from .pdl import gdc_enter
 
 
 @triton.jit
@@ -20,13 +20,13 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.cons
     tl.store(out_ptr + row * stride_o + cols, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     rows, two_inter = gate_up.shape
     inter = two_inter // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                        BLOCK=block, USE_PDL=PDL.on, launch_pdl=PDL.on,
+                                                        BLOCK=block, USE_PDL=pdl, launch_pdl=pdl,
                                                         num_warps=4)
     return out
 

@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from . import sm_count
-from .pdl import PDL, gdc_enter
-from .stream_gemv import streams
+from .pdl import gdc_enter
 
 # Tile and pipelining: the best of benchmarks/bench_h200.py's section attn at 32k context on the H200
 # (at 512 tokens all configs were within 10%). Any config is correct.
@@ -55,8 +54,8 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
     page = tl.load(table_ptr + b * stride_tb + tok // page_size, mask=valid, other=0)
     slot = page.to(tl.int64) * page_size + tok % page_size
     offs = slot[:, None] * stride_slot + kvh * stride_head + d[None, :]
-    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
-    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)  # an fp8 cache: scale 1 (rope.py)
+    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
     if IEEE:  # float32 caches: exact products, not TF32
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
@@ -153,10 +152,11 @@ def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            splits: int | None = None, block_n: int | None = None, num_warps: int = NUM_WARPS,
-                           num_stages: int = NUM_STAGES) -> torch.Tensor:
+                           num_stages: int = NUM_STAGES, pdl: bool = False, launch_first: bool = False
+                           ) -> torch.Tensor:
     """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D], in any strides that keep slots flat;
     block_tables [B, max_pages] int32; context_lens [B] int32 (0 for a padded row, which then gets zeros)
-    -> [B, H, D]."""
+    -> [B, H, D]. `pdl`, `launch_first` (the merge's, where the next kernel is the streaming GEMV): pdl.py."""
     batch, n_heads, head_dim = q.shape
     n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     # slots are flat (page x page_size + position); any order of the head and slot dimensions is read
@@ -172,13 +172,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        USE_PDL=PDL.on, launch_pdl=PDL.on, num_warps=num_warps, num_stages=num_stages)
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
     splits_pad = max(2, triton.next_power_of_2(splits))
     chunks = merge_chunks(batch * n_heads, head_dim, sm_count(q.device))
     _decode_attention_merge_kernel[(batch, n_heads, chunks)](
         acc, ml, context_lens, out, out.stride(0), out.stride(1), n_heads, splits, SPLITS_PAD=splits_pad,
-        HEAD_DIM=head_dim, D_BLOCK=head_dim // chunks, BLOCK_N=block_n, USE_PDL=PDL.on,
-        LAUNCH_FIRST=streams(batch, n_heads * head_dim, q.dtype), launch_pdl=PDL.on,
+        HEAD_DIM=head_dim, D_BLOCK=head_dim // chunks, BLOCK_N=block_n, USE_PDL=pdl,
+        LAUNCH_FIRST=launch_first, launch_pdl=pdl,
         num_warps=merge_warps(splits_pad, head_dim // chunks))
     return out

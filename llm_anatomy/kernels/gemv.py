@@ -19,9 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import PDL, gdc_enter
-from .stream_gemv import stream_gemv
-from .stream_gemv import supports as stream_supports
+from .pdl import gdc_enter
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,6 @@ CANDIDATE_TILES = [Tile(bn, bk, w, s) for bn, bk, w, s in (
 # For a shape not tuned (no graphs: eager decode): second-best or better for three of Qwen3-8B's four layer
 # shapes in bf16; float32's twice-as-large tiles need a shallower pipeline to fit in shared memory.
 DEFAULT_TILE = {2: Tile(32, 256, 4, 4), 4: Tile(16, 256, 4, 3)}
-TILES: dict[tuple, Tile] = {}  # tile_key -> the tile tuned for it in this process
 # A GEMV's weights do not depend on the kernel before it, so its first K tiles can be read before its PDL wait,
 # while that kernel finishes. Start-up tries these on each shape's best tile. On the H200 (Qwen3-8B), two tiles
 # ahead took a chain of gate_ups from 69.7 to 56.8 us each; tuned with them in the step, gate_up took two and
@@ -130,19 +127,19 @@ def store_rows(y_ptr, acc, acc_up, rm, rn, M, N, stride_ym, GATED: tl.constexpr)
 MAX_ROWS = 16
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tile: Tile | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tile: Tile | None = None,
+         pdl: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight[N, K].T -> [M, N]; with gated, weight is [2n, K] and the result is
-    SiLU(x @ gate.T) * (x @ up.T), [M, n]. K must be a multiple of 512. `tile`: this one, not the tuned one."""
-    if tile is None and stream_supports(x, weight, gated):
-        return stream_gemv(x, weight, gated)
+    SiLU(x @ gate.T) * (x @ up.T), [M, n]. K must be a multiple of 512. `tile`: how to cut it (the plan's tuned
+    tile, ExecutionPlan.gemv_tile), else the default for the weight's element size; `pdl`: see pdl.py."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    tile = tile or TILES.get(tile_key(n, k, gated, weight.dtype)) or DEFAULT_TILE[weight.element_size()]
+    tile = tile or DEFAULT_TILE[weight.element_size()]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0), K=k, M_PAD=16, GATED=gated,
-        IEEE=x.dtype == torch.float32, USE_PDL=PDL.on, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PREFETCH=tile.prefetch, launch_pdl=PDL.on, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        IEEE=x.dtype == torch.float32, USE_PDL=pdl, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        PREFETCH=tile.prefetch, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import sm_count
-from .pdl import PDL, gdc_enter
+from .pdl import gdc_enter
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,8 @@ def supports_gated(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[1] % 8 == 0 and x.is_contiguous() and weight.is_contiguous())
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, tile: GemmTile, gated: bool = False) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor, tile: GemmTile, gated: bool = False, pdl: bool = False
+           ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T; gated: weight is [gate; up] (2I rows) and the result SiLU(gate) * up [M, I]."""
     M, K = x.shape
     rows = weight.shape[0]
@@ -129,7 +130,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, tile: GemmTile, gated: bool = 
     _matmul_kernel[(min(sms, tiles),)](
         a, b, c, M, N, K, BM=tile.bm, BN=tile.bn, BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=sms,
         GATED=gated, IEEE=x.dtype == torch.float32,
-        USE_PDL=PDL.on, launch_pdl=PDL.on,
+        USE_PDL=pdl, launch_pdl=pdl,
         num_warps=tile.warps, num_stages=tile.stages)
     return out
 

@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import PDL, gdc_enter
-from .stream_gemv import streams
+from .pdl import gdc_enter
 
 
 @triton.jit
@@ -32,15 +31,17 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, stride_x, strid
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, n]. With `residual`, first residual <- x + residual (in place), then norm(residual)."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            pdl: bool = False, launch_first: bool = False) -> torch.Tensor:
+    """x [rows, n]. With `residual`, first residual <- x + residual (in place), then norm(residual). `pdl`,
+    `launch_first`: see pdl.py (launch_first where the next kernel is the streaming GEMV)."""
     rows, n = x.shape
     out = torch.empty_like(x)
     block = triton.next_power_of_2(n)
     res = residual if residual is not None else x
     _rmsnorm_kernel[(rows,)](x, res, weight, out, n, eps, x.stride(0), res.stride(0), out.stride(0),
-                             HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=PDL.on,
-                             LAUNCH_FIRST=streams(rows, n, x.dtype), launch_pdl=PDL.on,
+                             HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl,
+                             LAUNCH_FIRST=launch_first, launch_pdl=pdl,
                              num_warps=8 if block >= 4096 else 4)
     return out
 

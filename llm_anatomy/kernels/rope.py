@@ -13,9 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import PDL, gdc_enter
+from .pdl import gdc_enter
 
 MAX_BLOCK_T = 32
+
+
+@triton.jit
+def _cache_value(x, cache_ptr):
+    """A value as the cache stores it: an fp8 cache (scale 1, as vLLM's uncalibrated default) saturates at the
+    format's largest finite value rather than overflowing to NaN."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0).to(tl.float8e4nv)  # 448: e4m3's largest
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 # The token count and the index vectors' addresses change with every prompt (an odd-length prompt's positions
@@ -64,12 +73,12 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_o
         slot = tl.load(slot_ptr + t, mask=tmask, other=-1)
         smask = (slot >= 0)[:, None]
         dst = slot.to(tl.int64)[:, None] * (n_kv_heads * HEAD_DIM) + kv_h * HEAD_DIM
-        tl.store(k_cache_ptr + dst + d[None, :], o1, mask=smask)
-        tl.store(k_cache_ptr + dst + half + d[None, :], o2, mask=smask)
+        tl.store(k_cache_ptr + dst + d[None, :], _cache_value(o1, k_cache_ptr), mask=smask)
+        tl.store(k_cache_ptr + dst + half + d[None, :], _cache_value(o2, k_cache_ptr), mask=smask)
         full = tl.arange(0, HEAD_DIM)[None, :]
         v_src = qkv_ptr + t.to(tl.int64)[:, None] * stride_qkv + (n_heads + n_kv_heads) * HEAD_DIM + kv_h * HEAD_DIM
         v = tl.load(v_src + full, mask=tmask[:, None], other=0.0)
-        tl.store(v_cache_ptr + dst + full, v, mask=smask)
+        tl.store(v_cache_ptr + dst + full, _cache_value(v, v_cache_ptr), mask=smask)
         if KV_OUT:  # every row, padded ones too: [tokens, KVH, D]
             row = t.to(tl.int64)[:, None] * (n_kv_heads * HEAD_DIM) + kv_h * HEAD_DIM
             tl.store(k_out_ptr + row + d[None, :], o1, mask=tmask[:, None])
@@ -80,18 +89,19 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_o
 def qk_norm_rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, kv_out: bool = False):
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, kv_out: bool = False, pdl: bool = False):
     """qkv [tokens, (H + 2 KVH) x D] -> q [tokens, H, D]; K and V go into the layer's cache [slots..., KVH, D].
     With kv_out, returns (q, k, v), k and v [tokens, KVH, D] as stored."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(tokens, n_kv_heads, head_dim, dtype=k_cache.dtype, device=qkv.device) if kv_out else q
+    # kv_out: this step's K and V in the model's dtype (an fp8 cache stores them rounded; the prefill reads these)
+    k = torch.empty(tokens, n_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if kv_out else q
     v = torch.empty_like(k) if kv_out else q
     has_norm = q_norm is not None
     block_t = min(MAX_BLOCK_T, triton.next_power_of_2(max(1, tokens // 64)))  # decode batches: blocks of 1
     _qk_norm_rope_store_kernel[(triton.cdiv(tokens, block_t), n_heads + n_kv_heads)](
         qkv, q, k_cache, v_cache, k, v, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin,
         positions, slot_mapping, tokens, qkv.stride(0), q.stride(0), n_heads, n_kv_heads, eps, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, HAS_NORM=has_norm, KV_OUT=kv_out, USE_PDL=PDL.on, launch_pdl=PDL.on,
+        BLOCK_T=block_t, HAS_NORM=has_norm, KV_OUT=kv_out, USE_PDL=pdl, launch_pdl=pdl,
         num_warps=1 if block_t == 1 else 4)
     return (q, k, v) if kv_out else q

@@ -24,20 +24,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from functools import cache
 
 import torch
 
 from . import sm_count
 from .cuda import STREAM_HELPERS, compile_kernel, launch
-from .pdl import PDL
-
-
-class _Switch:
-    on = False
-
 
 log = logging.getLogger(__name__)
-STREAM = _Switch()  # whether gemv.gemv hands single bf16 rows to this kernel: see enable_stream_gemv
 
 CONSUMERS = 256  # eight warps split K: thread t takes the 16-byte pieces t, t + 256, ... of every row
 STAGE_BYTES = 32 * 1024  # one bulk copy (two when gated) a stage
@@ -212,33 +206,34 @@ def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
     return stages, stages * (stage + 16) + partial
 
 
-def enable_stream_gemv(device: torch.device, on: bool = True) -> bool:
-    """Hand single bf16 rows to this kernel from now on (graphs captured afterwards keep it), where the device is
-    a Hopper or later and NVRTC compiles it; returns whether it is on."""
-    STREAM.on = False
-    if not (on and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9):
-        return False
+@cache
+def _compiles(device_index: int) -> bool:
     try:
-        with torch.cuda.device(device):
-            compile_kernel(source(64, 8 * CONSUMERS, False), "stream_gemv", device.index, SHARED_LIMIT)
+        with torch.cuda.device(device_index):
+            compile_kernel(source(64, 8 * CONSUMERS, False), "stream_gemv", device_index, SHARED_LIMIT)
     except Exception as e:  # no NVRTC in this PyTorch build: the Triton GEMV serves every row
         log.warning("the streaming GEMV did not compile (%s); the Triton GEMV takes batch 1 too", str(e).splitlines()[0])
         return False
-    STREAM.on = True
     return True
 
 
-def streams(rows: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether a GEMV over `rows` rows of `dtype` with `k` columns runs this kernel (if its weight fits, see
-    supports): kernels that feed one let it launch before they wait (pdl.py)."""
-    return STREAM.on and rows == 1 and dtype == torch.bfloat16 and k % 8 == 0 and MIN_K <= k <= MAX_K
+def available(device: torch.device) -> bool:
+    """Whether this kernel runs on the device: a Hopper or later GPU where NVRTC compiles it (checked once)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and _compiles(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def eligible(rows: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a GEMV over `rows` rows of `dtype` with `k` columns is this kernel's (if its weight fits, see
+    supports): a plan that streams uses it for these (ExecutionPlan.streams)."""
+    return rows == 1 and dtype == torch.bfloat16 and k % 8 == 0 and MIN_K <= k <= MAX_K
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> bool:
-    """A single bf16 row on a Hopper-or-later GPU (enabled), K in 16-byte pieces, a ring of at least two stages."""
+    """A single bf16 row on a GPU (see available), K in 16-byte pieces, a ring of at least two stages."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
-    return (streams(x.shape[0], k, x.dtype) and x.is_cuda and weight.dtype == x.dtype
+    return (eligible(x.shape[0], k, x.dtype) and x.is_cuda and weight.dtype == x.dtype
             and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
             and plan(n, k, gated, sm_count(x.device))[0] >= 2)
 
@@ -251,11 +246,12 @@ def supports_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
 
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
-                norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+                pdl: bool = False) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T -> [1, N] (bf16); with gated, weight = [gate; up] and the result SiLU(gate) * up.
     With norm = (residual, new_residual, norm_weight, eps), the product is of RMSNorm(x + residual) * norm_weight
     instead (rounded as HF rounds), and new_residual receives x + residual: the norm kernel before a GEMV, done by
-    the GEMV's consumers (see supports_norm)."""
+    the GEMV's consumers (see supports_norm). `pdl`: launched with programmatic dependent launch (pdl.py)."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
     blocks = sm_count(x.device)
@@ -266,5 +262,5 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
     with torch.cuda.device(x.device):  # the kernel's module and the stream are those of x's device
         kernel = compile_kernel(source(n, k, gated, norm is not None), "stream_gemv", x.device.index, SHARED_LIMIT)
         launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages, residual, new_residual, norm_weight,
-                                                float(eps)], pdl=PDL.on, shared=shared)
+                                                float(eps)], pdl=pdl, shared=shared)
     return y

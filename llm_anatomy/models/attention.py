@@ -64,17 +64,31 @@ def prefill_step_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, dec
     return torch.cat([decoded, prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, batch.prefill_part())])
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Values as a cache of `cache`'s dtype holds them: an fp8 cache (scale 1, vLLM's uncalibrated default)
+    saturates at the format's largest finite value rather than overflowing to NaN."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+    return x.to(cache.dtype)
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    for values, cache in ((k, k_cache), (v, v_cache)):
+        values, flat = as_cached(values, cache), cache.view(-1, kv_heads, head_dim)
+        if cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel on every device: copy the bytes
+            values, flat = values.view(torch.uint8), flat.view(torch.uint8)
+        flat.index_copy_(0, slot_mapping, values)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first `length` cached tokens: [length, kv_heads, head_dim]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """One sequence's first `length` cached tokens: [length, kv_heads, head_dim], as `dtype`."""
     block_size = cache.shape[1]
     blocks = block_table[: (length + block_size - 1) // block_size]
-    return cache[blocks].flatten(0, 1)[:length]
+    return cache[blocks].flatten(0, 1)[:length].to(dtype)
 
 
 # On the GPU, cuDNN's fused attention runs causal prefill about twice as fast as the flash backend on an
@@ -122,8 +136,8 @@ def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, pad: bo
         else:  # new tokens after a cached prefix: attend to all of it, causal from the prefix's end
             total = prefix + n
             qi = q[start:start + n].transpose(0, 1).unsqueeze(0)
-            ki = gather_context(k_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
-            vi = gather_context(v_cache, batch.block_tables[i], total).transpose(0, 1).unsqueeze(0)
+            ki = gather_context(k_cache, batch.block_tables[i], total, q.dtype).transpose(0, 1).unsqueeze(0)
+            vi = gather_context(v_cache, batch.block_tables[i], total, q.dtype).transpose(0, 1).unsqueeze(0)
             oi = _attend_after_prefix(qi, ki, vi, prefix)
         if len(batch.query_lens) == 1:  # cuDNN lays its output out like q, so this is a view, not a copy
             return oi.squeeze(0).transpose(0, 1)
@@ -148,8 +162,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens) -> torch.T
 
     The pool is zero-initialised, so padded and stale slots hold finite values that the mask removes.
     """
-    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, blocks*block_size, head_dim]
-    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    # [seqs, kv_heads, blocks*block_size, head_dim], in q's dtype (an fp8 cache: scale 1)
+    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
     positions = torch.arange(k.shape[2], device=q.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)

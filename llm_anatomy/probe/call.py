@@ -184,7 +184,8 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
         if share is not None:
             tele.energy.append(share)
     kv = kv_record(engine, rec, rec.seq)
-    memory = census(engine.device, engine.weights.bytes, engine.pool.total_bytes, engine.runner.graph_bytes,
+    graph_bytes = engine.graphs.graph_bytes if engine.graphs is not None else 0
+    memory = census(engine.device, engine.weights.bytes, engine.pool.total_bytes, graph_bytes,
                     activation_peak)
     config = engine.config
     notes = list(notes or [])
@@ -217,9 +218,10 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
 def startup_record(engine: Engine) -> StartupRecord | None:
     if engine.startup_seconds is None:  # an Engine built directly, not through from_pretrained
         return None
-    runner, tuning = engine.runner, engine.runner.tile_tuning
-    return StartupRecord(total_s=engine.startup_seconds, compile_and_capture_s=runner.capture_seconds,
-                         cuda_graphs=len(runner.graphs) + len(runner.short_graphs) + len(runner.prefill_graphs),
-                         programmatic_dependent_launch=engine.pdl, streaming_gemv=engine.stream_gemv,
-                         tile_tuning_s=tuning.seconds if tuning else 0.0,
-                         tiles_from_cache=bool(tuning and tuning.source == "cache"))
+    graphs = engine.graphs.describe() if engine.graphs is not None else {"count": 0, "capture_seconds": 0.0}
+    tuning = engine.tile_tuning
+    return StartupRecord(total_s=engine.startup_seconds,
+                         compile_and_capture_s=graphs["capture_seconds"] + (tuning.seconds if tuning else 0.0),
+                         cuda_graphs=graphs["count"], programmatic_dependent_launch=engine.plan.pdl,
+                         streaming_gemv=engine.plan.stream_gemv, tile_tuning_s=tuning.seconds if tuning else 0.0,
+                         tiles_from_cache=bool(tuning and tuning.source in ("cache", "shipped")))

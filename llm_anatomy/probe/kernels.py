@@ -7,7 +7,6 @@ library kernels (cuBLAS, cuDNN, ATen elementwise) are matched by the patterns be
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections import defaultdict
 
@@ -66,29 +65,11 @@ REPLAY_NOTE = ("Kernel times come from a profiled replay of the prompt (prefill 
                "launches are not in these figures.")
 
 
-@contextlib.contextmanager
-def eager_launches(engine: Engine):
-    """Run the engine without its CUDA graphs and without programmatic dependent launch, then restore both."""
-    runner = engine.runner
-    graphs, prefill_graphs = runner.graphs, runner.prefill_graphs  # short_graphs: only used with graphs
-    pdl = None
-    if engine.pdl:
-        from ..kernels.pdl import PDL
-
-        pdl, PDL.on = PDL, False
-    runner.graphs, runner.prefill_graphs = {}, {}
-    try:
-        yield
-    finally:
-        runner.graphs, runner.prefill_graphs = graphs, prefill_graphs
-        if pdl is not None:
-            pdl.on = True
-
-
 def profile_kernels(engine: Engine, prompt_token_ids: list[int], sampling: dict, decode_steps: int = 8
                     ) -> list[KernelBreakdown]:
-    """Replay the prompt: profile the prefill step, then `decode_steps` decode steps."""
-    with eager_launches(engine):
+    """Replay the prompt, each kernel launched on its own (Engine.eager): profile the prefill step, then
+    `decode_steps` decode steps."""
+    with engine.eager():
         return _profile(engine, prompt_token_ids, sampling, decode_steps)
 
 
@@ -97,7 +78,6 @@ def _profile(engine: Engine, prompt_token_ids: list[int], sampling: dict, decode
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     params = engine.sampling_params(**{**sampling, "max_tokens": decode_steps + 1, "ignore_eos": True})
-    lookahead, engine.lookahead = engine.lookahead, False  # keep the prefill's profile to the prefill
     seq = engine.add_request(list(prompt_token_ids), params)
     out = []
     try:
@@ -116,5 +96,4 @@ def _profile(engine: Engine, prompt_token_ids: list[int], sampling: dict, decode
         out.append(_breakdown(prof, "decode", steps, cuda))
     finally:
         engine.abort(seq)
-        engine.lookahead = lookahead
     return out

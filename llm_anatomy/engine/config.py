@@ -1,0 +1,111 @@
+"""EngineConfig: every setting of an engine, frozen and checked in one place.
+
+What the user chooses lives here; what the engine then decides for its device (which kernels, graphs, tiles)
+is its ExecutionPlan (plan.py). Checks that need the model's config.json (max_model_len against the model's
+context) or the device (is there a GPU) are made when the engine is built from this.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+
+from ..errors import AnatomyError
+
+QUANTIZATIONS = ("fp8",)  # --quantization values (vLLM's names); None: the checkpoint's own precision
+# --kv-cache-dtype values: "auto" stores the model's dtype; "fp8" (= "fp8_e4m3", vLLM's names) halves the bytes
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+INT64_MAX = (1 << 63) - 1
+
+
+def _check_int(name: str, value, low: int, high: int = INT64_MAX, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise AnatomyError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise AnatomyError(f"{name} must be >= {low}, got {value}" if high == INT64_MAX and low > -INT64_MAX
+                           else f"{name} must be in {low}..{high}, got {value}")
+
+
+def _check_switch(name: str, value, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, bool):  # a string such as "false" would read as on
+        raise AnatomyError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "Qwen/Qwen3-0.6B"  # hub id, preset name or checkpoint directory
+    weights: str = "auto"  # "auto" (a local checkpoint if there is one, else synthetic), "synthetic" or a directory
+    device: str | None = None  # "cpu", "cuda", "cuda:N"; None: a CUDA GPU if there is one
+    dtype: str | None = None  # activations' and unquantized weights' dtype; None: the model's (bfloat16 for Qwen3)
+    seed: int = 0  # synthetic weights' seed, and the sampler's default generator
+    quantization: str | None = None  # "fp8": linear layers' weights in fp8 e4m3 (W8A8); None: as the checkpoint
+    kv_cache_dtype: str = "auto"
+    kv_cache_tokens: int | None = None  # the KV pool's size; None: from free memory (GPU) or 1 GiB (host)
+    gpu_memory_utilization: float = 0.9  # the fraction of GPU memory the engine may use, the KV pool taking the rest
+    max_model_len: int | None = None  # context limit per request; None: the model's
+    max_num_seqs: int = 64  # most sequences in one step
+    max_num_batched_tokens: int | None = None  # tokens forwarded per step; None: min(max_model_len, 8192)
+    block_size: int = 16  # KV cache tokens per block
+    # The fast path: the fused Triton/CUDA kernels (None: on where there is a CUDA GPU and Triton) and, with them,
+    # CUDA graphs, programmatic dependent launch, the streaming batch-1 GEMV (each still subject to the device).
+    fast_path: bool | None = None
+    cuda_graphs: bool = True
+    pdl: bool = True
+    stream_gemv: bool = True
+    mixed_steps: bool = False  # decode the running sequences in every step, prompts filling the rest
+    lookahead: bool | None = None  # launch decode step n+1 before reading step n's tokens; None: on CUDA
+
+    def __post_init__(self) -> None:
+        for name in ("model", "weights"):
+            value = getattr(self, name)
+            if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+                raise AnatomyError(f"{name} must be a non-empty string, got {value!r}")
+        for name in ("device", "dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise AnatomyError(f"{name} must be a string or None, got {value!r}")
+        _check_int("seed", self.seed, -(1 << 63), INT64_MAX)
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise AnatomyError(f"quantization {self.quantization!r} is not supported; use one of: "
+                               f"{', '.join(QUANTIZATIONS)} (or leave it unset for the checkpoint's own precision)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise AnatomyError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of: "
+                               f"{', '.join(KV_CACHE_DTYPES)}")
+        _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, optional=True)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not 0 < self.gpu_memory_utilization <= 1:
+            raise AnatomyError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check_int("max_model_len", self.max_model_len, 1, optional=True)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 65536)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.block_size & (self.block_size - 1):
+            raise AnatomyError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("cuda_graphs", "pdl", "stream_gemv", "mixed_steps"):
+            _check_switch(name, getattr(self, name))
+        for name in ("fast_path", "lookahead"):
+            _check_switch(name, getattr(self, name), optional=True)
+
+    @property
+    def kv_cache_fp8(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_settings(cls, **settings) -> "EngineConfig":
+        """An EngineConfig from keyword settings, refusing names it does not have (a typo must not be ignored)."""
+        unknown = sorted(set(settings) - set(cls.setting_names()))
+        if unknown:
+            raise AnatomyError(f"unknown engine setting(s) {', '.join(unknown)}; the settings are: "
+                               f"{', '.join(cls.setting_names())}")
+        return cls(**{k: str(v) if isinstance(v, os.PathLike) else v for k, v in settings.items()})
+
+    def describe(self) -> dict:
+        return asdict(self)

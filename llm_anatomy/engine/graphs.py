@@ -1,0 +1,241 @@
+"""CUDA graphs: capture a model's steps once at start-up, then replay them.
+
+Decode steps replay one graph per batch-size bucket (batch 1 has a second for short contexts, see
+DecodeAttentionPlan), captured over fixed input buffers that share one memory pool, so a step is a handful of
+small copies and one launch instead of hundreds of kernel launches from Python. Rows past the batch in a bucket
+are padding: slot -1 (nothing is stored) and context 0 (nothing is read). A whole prompt of up to
+PREFILL_GRAPH_TOKENS tokens replays a graph of its attention bucket's length (one sequence, nothing cached yet;
+padded tokens sit after the real ones, so causality hides them): a prompt's prefill launches ~450 kernels, and
+eagerly the host falls behind the device in the first layers.
+
+The graphs replay the plan they were captured with (ExecutionPlan): its kernels, tiles and launches are baked in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..models.attention import AttentionBatch, prefill_bucket
+from ..models.qwen3 import Qwen3ForCausalLM
+from .kv_cache import KVCachePool
+from .plan import ExecutionPlan
+from .scheduler import ScheduledBatch, Sequence
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+PREFILL_GRAPH_TOKENS = 2048
+# Capturing the prefill buckets also compiles the QK-norm kernel's token blocks and builds cuDNN's attention
+# plans for these lengths.
+GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, PREFILL_GRAPH_TOKENS + 1)}))
+
+
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """The prefill buckets a whole prompt of up to max_tokens can use: those below it and the first at or above."""
+    sizes = [t for t in GRAPH_PREFILL_TOKENS if t < max_tokens]
+    return sizes + [t for t in GRAPH_PREFILL_TOKENS if t >= max_tokens][:1]
+
+
+def decode_batch_sizes(max_batch: int) -> list[int]:
+    return sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch})
+
+
+class GraphRunner:
+    """The captured graphs of one engine and the fixed buffers they read. Used by the ModelRunner for the steps
+    it can replay (can_decode, can_prefill)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, pool: KVCachePool, device: torch.device, max_batch: int,
+                 max_model_len: int):
+        self.model, self.pool, self.device = model, pool, device
+        self.max_batch = max_batch
+        self.decode_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.short_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch 1, short contexts
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.plan: ExecutionPlan | None = None  # the plan captured, once captured
+        self.graph_bytes = 0
+        self.capture_seconds = 0.0
+        self._mempool = None
+        n, width, dev = max_batch, pool.blocks_for(max_model_len), device
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.tables = torch.zeros(n, width, dtype=torch.int32, device=dev)
+        # Pinned staging, double-buffered: a step's inputs may still be in flight when the next is prepared.
+        self._stage = torch.zeros(2, 3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
+        self._stage_lens = torch.zeros(2, n, dtype=torch.int32).pin_memory()
+        self._stage_tables = torch.zeros(2, n, width, dtype=torch.int32).pin_memory()
+        self._flip = 0
+        self._rows: list[tuple | None] = [None] * n  # which sequence's blocks each table row holds, how many
+
+    # ---- capture ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, plan: ExecutionPlan, max_prefill_tokens: int) -> None:
+        """Capture the decode graphs (largest first, so smaller ones reuse its memory) and the prefill graphs a
+        whole prompt of up to max_prefill_tokens can replay. Warm-up runs before each capture compile the kernels
+        outside the graph (`capture_seconds` counts it all)."""
+        start = time.perf_counter()
+        self.plan = plan
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        short = plan.decode_attention
+        for b in reversed(decode_batch_sizes(self.max_batch)):
+            splits, block_n = short.for_step(b, short.short_context + 1)
+            self.decode_graphs[b] = self._capture(self._decode_forward(plan, b, splits, block_n))
+            if b == 1:
+                self.short_graphs[b] = self._capture(self._decode_forward(plan, b, short.short_splits,
+                                                                          short.short_block_n))
+        if max_prefill_tokens > 0:
+            self._capture_prefill(plan, max_prefill_tokens)
+        torch.cuda.synchronize(self.device)
+        self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.capture_seconds = time.perf_counter() - start
+
+    def _capture(self, forward: Callable[[], torch.Tensor], shared_pool: bool = True
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (compiles kernels outside the graph), then capture, sharing one memory pool
+        across all the graphs kept (a graph made only to be timed gets its own, freed with it)."""
+        dev = self.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool if shared_pool else None):
+            out = forward()
+        if shared_pool:
+            self._mempool = self._mempool or graph.pool()
+        return graph, out
+
+    def _decode_forward(self, plan: ExecutionPlan, b: int, splits: int | None = None, block_n: int | None = None):
+        """The batch-b decode step over the fixed buffers (attention as the arguments say), logits out."""
+        batch = AttentionBatch(self.pool.k, self.pool.v, self.slots[:b], False, self.tables[:b], self.lens[:b],
+                               decode_splits=splits, decode_block_n=block_n)
+        return lambda: self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], batch, plan), plan)
+
+    def _capture_prefill(self, plan: ExecutionPlan, max_tokens: int) -> None:
+        sizes = prefill_graph_sizes(max_tokens)
+        n, dev = sizes[-1], self.device
+        self.prefill_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.prefill_pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.prefill_slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.prefill_last = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._prefill_stage = torch.zeros(2, 4, n, dtype=torch.int64).pin_memory()  # ids, pos, slots, last
+        for t in reversed(sizes):
+            batch = AttentionBatch.fresh_prompt(self.pool.k, self.pool.v, self.prefill_slots[:t])
+
+            def forward(t=t, batch=batch):
+                hidden = self.model(self.prefill_ids[:t], self.prefill_pos[:t], batch, plan)
+                return self.model.compute_logits(hidden[self.prefill_last], plan)
+
+            self.prefill_graphs[t] = self._capture(forward)
+
+    def decode_step_timer(self, context: int) -> Callable[[ExecutionPlan], float]:
+        """A function timing the batch-1 decode step, as captured with a given plan, at `context` tokens of the
+        KV pool (nothing is stored): captured into a graph of its own and replayed (tile tuning, tuning.py).
+        The buffers are left as they were found once the caller is done (see reset_buffers)."""
+        bs = self.pool.block_size
+        self.pos[0] = context - 1
+        self.lens[0] = context
+        self.tables[0, :-(-context // bs)] = torch.arange(-(-context // bs), dtype=torch.int32)
+
+        def step_ms(plan: ExecutionPlan) -> float:
+            graph, _ = self._capture(self._decode_forward(plan, 1), shared_pool=False)
+            for _ in range(3):
+                graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 10
+
+        return step_ms
+
+    def reset_buffers(self) -> None:
+        self.pos.zero_()
+        self.lens.zero_()
+        self.tables.zero_()
+
+    # ---- replay -------------------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {"count": len(self.decode_graphs) + len(self.short_graphs) + len(self.prefill_graphs),
+                "decode_batch_sizes": sorted(self.decode_graphs), "short_context_batch_sizes": sorted(self.short_graphs),
+                "prefill_tokens": sorted(self.prefill_graphs), "bytes": self.graph_bytes,
+                "capture_seconds": self.capture_seconds}
+
+    def can_decode(self, batch_size: int) -> bool:
+        return bool(self.decode_graphs) and batch_size <= self.max_batch
+
+    def can_prefill(self, batch: ScheduledBatch) -> bool:
+        seqs = batch.seqs
+        return (bool(self.prefill_graphs) and len(seqs) == 1 and seqs[0].num_cached == 0
+                and batch.query_lens[0] == seqs[0].num_tokens <= max(self.prefill_graphs))
+
+    def decode(self, seqs: list[Sequence], ahead_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Replay the decode graph of the smallest bucket that holds the batch; `ahead_tokens` (the previous step's
+        tokens, still on the device) as its input when the step was launched ahead."""
+        n = len(seqs)
+        b = next(size for size in sorted(self.decode_graphs) if size >= n)
+        stage, lens, tables = self._stage[self._flip], self._stage_lens[self._flip], self._stage_tables[self._flip]
+        self._flip ^= 1
+        stage[:, n:b] = 0
+        stage[2, n:b] = -1
+        lens[n:b] = 0
+        ahead = int(ahead_tokens is not None)
+        longest = 0
+        for i, seq in enumerate(seqs):
+            pos = seq.num_tokens - 1 + ahead
+            stage[0, i] = seq.last_token
+            stage[1, i] = pos
+            stage[2, i] = seq.block_table.slot(pos)
+            lens[i] = pos + 1
+            longest = max(longest, pos + 1)
+            self._sync_table_row(i, seq, tables)
+        if ahead_tokens is None:
+            self.ids[:b].copy_(stage[0, :b], non_blocking=True)
+        else:
+            self.ids[:n].copy_(ahead_tokens)
+            self.ids[n:b].zero_()
+        self.pos[:b].copy_(stage[1, :b], non_blocking=True)
+        self.slots[:b].copy_(stage[2, :b], non_blocking=True)
+        self.lens[:b].copy_(lens[:b], non_blocking=True)
+        short = b in self.short_graphs and self.plan.decode_attention.is_short(b, longest)
+        graph, logits = (self.short_graphs if short else self.decode_graphs)[b]
+        graph.replay()
+        return logits[:n]
+
+    def _sync_table_row(self, row: int, seq: Sequence, stage: torch.Tensor) -> None:
+        """Keep the device's block-table row in step with the sequence, copying only blocks it lacks (through
+        pinned memory: a pageable copy would wait for the step in flight)."""
+        owner = (seq.request_id, seq.num_preemptions)
+        blocks = seq.block_table.blocks
+        held = self._rows[row]
+        start = held[1] if held is not None and held[0] == owner else 0
+        if start < len(blocks):
+            stage[row, start:len(blocks)] = torch.tensor(blocks[start:], dtype=torch.int32)
+            self.tables[row, start:len(blocks)].copy_(stage[row, start:len(blocks)], non_blocking=True)
+            self._rows[row] = (owner, len(blocks))
+
+    def prefill(self, seq: Sequence) -> torch.Tensor:
+        n = seq.num_tokens
+        t = min(size for size in self.prefill_graphs if size >= n)
+        stage = self._prefill_stage[self._flip]
+        self._flip ^= 1
+        stage[0, :n] = torch.tensor(seq.token_ids(0, n))
+        stage[1, :n] = torch.arange(n)
+        stage[2, :n] = seq.block_table.slots(0, n)
+        stage[:2, n:t] = 0
+        stage[2, n:t] = -1  # padded tokens store nothing
+        stage[3, 0] = n - 1
+        self.prefill_ids[:t].copy_(stage[0, :t], non_blocking=True)
+        self.prefill_pos[:t].copy_(stage[1, :t], non_blocking=True)
+        self.prefill_slots[:t].copy_(stage[2, :t], non_blocking=True)
+        self.prefill_last.copy_(stage[3, :1], non_blocking=True)
+        graph, logits = self.prefill_graphs[t]
+        graph.replay()
+        return logits

@@ -1,0 +1,121 @@
+"""ExecutionPlan: how one engine runs its model on its device, chosen once at start-up and passed down.
+
+The model and the kernels take their behaviour from the plan they are given (gpt-fast's way), never from
+module state: two engines in one process (bf16 and fp8, or graphs and no graphs) each run their own plan.
+`choose_plan` turns an EngineConfig and a device into a plan; start-up then tunes the GEMV tiles (tuning.py)
+and freezes them into the plan the engine keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+import torch
+
+from ..errors import AnatomyError
+from ..kernels import use_kernels
+from .config import EngineConfig
+
+
+@dataclass(frozen=True)
+class DecodeAttentionPlan:
+    """How the fast path's paged decode attention splits a sequence's context (the split kernel, then a merge).
+
+    A single sequence splits its context over many programs per KV head, enough to read a long context at full
+    bandwidth; at short contexts most of them would find nothing to do and still cost the step, as would merging
+    their partials, so batch 1 runs a second configuration up to `short_context`: `short_splits` splits of
+    `short_block_n`-token tiles. Beyond it batch 1 takes `long_splits` splits (about two programs per
+    multiprocessor on an H100/H200); batches take the kernel's default (None). The figures that chose these are
+    in benchmarks/README.md."""
+    short_context: int = 2048
+    short_splits: int = 16
+    short_block_n: int = 64
+    long_splits: int = 48
+
+    def is_short(self, batch_size: int, longest_context: int) -> bool:
+        return batch_size == 1 and longest_context <= self.short_context
+
+    def for_step(self, batch_size: int, longest_context: int) -> tuple[int | None, int | None]:
+        """(splits, tile) of a decode step's attention, None for the kernel's defaults."""
+        if self.is_short(batch_size, longest_context):
+            return self.short_splits, self.short_block_n
+        return (self.long_splits if batch_size == 1 else None), None
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Which path each part of a step takes. All False is the plain PyTorch reference path (CPU, tests)."""
+    kernels: bool = False  # the fused Triton/CUDA kernels (the fast path); False: the PyTorch reference path
+    cuda_graphs: bool = False  # decode steps and short whole prompts replay CUDA graphs (graphs.py)
+    pdl: bool = False  # programmatic dependent launch: each kernel may launch while the one before drains
+    stream_gemv: bool = False  # batch-1 bf16 GEMVs in the streaming CUDA kernel (kernels/stream_gemv.py)
+    # At batch 1 the streaming GEMV after a norm (qkv, gate_up) computes the residual add and the norm itself,
+    # which takes the norm's kernel and one wait out of the step's chain of dependent kernels.
+    norm_in_gemv: bool = False
+    # Prefill's products that feed the residual stream (o_proj, down_proj) add into it in cuBLAS's epilogue
+    # (beta = 1), so that the norm after them reads one tensor and writes one instead of two of each.
+    residual_in_gemm: bool = False
+    lookahead: bool = False  # launch decode step n+1 before reading step n's tokens back
+    gemv_tiles: Mapping = field(default_factory=lambda: MappingProxyType({}))  # tile_key -> Tile (tuning.py)
+    decode_attention: DecodeAttentionPlan = DecodeAttentionPlan()
+    weight_dtype: str = "bfloat16"  # the linear layers' weights: the model dtype, or "float8_e4m3fn"
+    kv_cache_dtype: str = "bfloat16"  # what the KV pool stores
+
+    def eager(self) -> "ExecutionPlan":
+        """The same kernels launched one by one as the host issues them: no graphs, no early launch. For
+        profilers, where each kernel's span must be its own (with early launch it would include the wait)."""
+        return replace(self, cuda_graphs=False, pdl=False)
+
+    def with_tiles(self, tiles: Mapping) -> "ExecutionPlan":
+        return replace(self, gemv_tiles=MappingProxyType(dict(tiles)))
+
+    def gemv_tile(self, key: tuple):
+        """The Triton GEMV's tile for a shape: the tuned one, or the default for the weight's element size."""
+        from ..kernels.gemv import DEFAULT_TILE
+
+        return self.gemv_tiles.get(key) or DEFAULT_TILE[4 if key[3] == "float32" else 2]
+
+    def streams(self, rows: int, k: int, dtype: torch.dtype) -> bool:
+        """Whether a GEMV over `rows` rows and `k` columns runs the streaming kernel (if its weight fits):
+        the kernels that feed one let it launch before they wait (kernels/pdl.py)."""
+        if not self.stream_gemv:
+            return False
+        from ..kernels.stream_gemv import eligible
+
+        return eligible(rows, k, dtype)
+
+    def describe(self) -> dict:
+        return {"kernels": self.kernels, "cuda_graphs": self.cuda_graphs, "pdl": self.pdl,
+                "stream_gemv": self.stream_gemv, "norm_in_gemv": self.norm_in_gemv,
+                "residual_in_gemm": self.residual_in_gemm, "lookahead": self.lookahead,
+                "weight_dtype": self.weight_dtype, "kv_cache_dtype": self.kv_cache_dtype,
+                "gemv_tiles": {"x".join(map(str, k)): str(t) for k, t in self.gemv_tiles.items()},
+                "decode_attention": vars(self.decode_attention).copy()}
+
+
+def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, kv_cache_dtype: str) -> ExecutionPlan:
+    """The plan this device can run for this config (before the GEMV tiles are tuned). A feature the config
+    asks for stays off where the device cannot do it (PDL before Hopper, no NVRTC for the streaming GEMV)."""
+    cuda = device.type == "cuda"
+    kernels = use_kernels(device) and cuda if config.fast_path is None else config.fast_path
+    if kernels and not use_kernels(device):
+        raise AnatomyError("fast_path needs Triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+    graphs = config.cuda_graphs and kernels and cuda  # graphs replay the fused-kernel path
+    pdl = False
+    stream = False
+    if graphs and config.pdl:
+        from ..kernels.pdl import supported as pdl_supported
+
+        pdl = pdl_supported(device)
+    if pdl and config.stream_gemv:  # without PDL nothing overlaps the streaming GEMV's ramp: the Triton GEMV serves
+        from ..kernels.stream_gemv import available
+
+        stream = available(device)
+    return ExecutionPlan(kernels=kernels, cuda_graphs=graphs, pdl=pdl, stream_gemv=stream, norm_in_gemv=stream,
+                         residual_in_gemm=kernels, lookahead=cuda if config.lookahead is None else config.lookahead,
+                         weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)
+
+
+REFERENCE_PLAN = ExecutionPlan()  # the PyTorch path, everything off

@@ -1,0 +1,126 @@
+"""EngineConfig (every setting, frozen, checked in one place) and the ExecutionPlan chosen from it per engine."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from llm_anatomy import Engine, EngineConfig
+from llm_anatomy.engine.plan import REFERENCE_PLAN, DecodeAttentionPlan, ExecutionPlan, choose_plan
+from llm_anatomy.errors import AnatomyError
+
+
+def test_engine_config_is_frozen_and_exported():
+    config = EngineConfig(model="some/model", max_num_seqs=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_num_seqs = 9
+    assert config.describe()["max_num_seqs"] == 8 and "quantization" in EngineConfig.setting_names()
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(max_num_seqs=0), "max_num_seqs must be in 1..65536, got 0"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an integer, got True"),
+    (dict(max_num_seqs=2.5), "max_num_seqs must be an integer"),
+    (dict(kv_cache_tokens=-3), "kv_cache_tokens must be >= 1, got -3"),
+    (dict(max_model_len=0), "max_model_len must be >= 1"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+    (dict(block_size=12), "block_size must be a power of two, got 12"),
+    (dict(block_size=0), "block_size must be in 1..1024"),
+    (dict(seed=1 << 64), "seed must be in"),
+    (dict(seed=-(1 << 63) - 1), "seed must be in"),
+    (dict(gpu_memory_utilization=0), r"gpu_memory_utilization must be a fraction in \(0, 1\]"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be a fraction"),
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization must be a fraction"),
+    (dict(quantization="awq"), "quantization 'awq' is not supported; use one of: fp8"),
+    (dict(kv_cache_dtype="int4"), "kv_cache_dtype 'int4' is not supported; use one of: auto, fp8, fp8_e4m3"),
+    (dict(cuda_graphs="false"), "cuda_graphs must be True or False, got 'false'"),
+    (dict(fast_path=1), "fast_path must be True or False or None, got 1"),
+    (dict(model=""), "model must be a non-empty string"),
+    (dict(device=0), "device must be a string or None"),
+])
+def test_engine_config_refuses_bad_settings(settings, message):
+    with pytest.raises(AnatomyError, match=message):
+        EngineConfig(**settings)
+
+
+def test_unknown_settings_are_refused_not_ignored(save_tiny):
+    directory, _ = save_tiny()
+    with pytest.raises(AnatomyError, match="unknown engine setting\\(s\\) max_num_seq;"):
+        Engine.from_pretrained(directory, device="cpu", max_num_seq=4)
+
+
+def test_from_pretrained_builds_its_config_and_a_reference_plan_on_the_cpu(save_tiny):
+    directory, _ = save_tiny()
+    engine = Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=64, max_num_seqs=3)
+    cfg = engine.engine_config
+    assert (cfg.model, cfg.device, cfg.dtype, cfg.kv_cache_tokens, cfg.max_num_seqs) == \
+        (str(directory), "cpu", "float32", 64, 3)
+    assert engine.plan == dataclasses.replace(REFERENCE_PLAN, weight_dtype="float32", kv_cache_dtype="float32")
+    assert engine.graphs is None and engine.describe()["plan"]["kernels"] is False
+    same = Engine.from_config(cfg)
+    assert same.engine_config == cfg
+    ids = [3, 1, 4, 1, 5]
+    a = engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=4, ignore_eos=True).output_token_ids
+    b = same.generate(prompt_token_ids=ids, temperature=0, max_tokens=4, ignore_eos=True).output_token_ids
+    assert a == b
+
+
+def test_progress_names_the_stages(save_tiny):
+    directory, _ = save_tiny()
+    stages = []
+    Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=64, progress=stages.append)
+    assert stages[0] == "resolving the model" and stages[-1] == "ready"
+    assert "sizing the KV cache" in stages and any(s.startswith("loading weights") for s in stages)
+
+
+def test_choose_plan_follows_the_config_on_the_cpu():
+    cpu = torch.device("cpu")
+    plan = choose_plan(EngineConfig(), cpu, "bfloat16", "bfloat16")
+    assert not (plan.kernels or plan.cuda_graphs or plan.pdl or plan.stream_gemv or plan.lookahead)
+    assert choose_plan(EngineConfig(lookahead=True), cpu, "bfloat16", "bfloat16").lookahead
+    assert plan.eager() == plan and plan.describe()["decode_attention"]["long_splits"] == 48
+
+
+def test_plan_decode_attention_and_tiles():
+    attention = DecodeAttentionPlan(short_context=100, short_splits=4, short_block_n=32, long_splits=7)
+    assert attention.for_step(1, 100) == (4, 32) and attention.for_step(1, 101) == (7, None)
+    assert attention.for_step(2, 10) == (None, None)
+    from llm_anatomy.kernels.gemv import DEFAULT_TILE, Tile
+
+    key = (80, 1024, False, "bfloat16")
+    plan = ExecutionPlan(kernels=True, cuda_graphs=True, pdl=True).with_tiles({key: Tile(16, 512, 4, 3)})
+    assert plan.gemv_tile(key) == Tile(16, 512, 4, 3) and plan.gemv_tile((80, 1024, True, "bfloat16")) == DEFAULT_TILE[2]
+    assert plan.gemv_tile((80, 1024, False, "float32")) == DEFAULT_TILE[4]
+    eager = plan.eager()
+    assert not eager.cuda_graphs and not eager.pdl and eager.kernels and eager.gemv_tiles == plan.gemv_tiles
+
+
+def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_goes_on(save_tiny, monkeypatch):
+    """The failure contract: a whole step that raises ends every sequence of that step with finish_reason "error"
+    and a message, frees their KV blocks, and the next request runs as if nothing happened; a failure confined to
+    one sequence (here its detokenizer) ends that sequence alone."""
+    directory, _ = save_tiny()
+    engine = Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=64, block_size=4)
+    free = engine.pool.num_free_blocks
+    params = engine.sampling_params(temperature=0, max_tokens=5, ignore_eos=True)
+    seqs = [engine.add_request([1, 2, 3], params), engine.add_request([4, 5], params)]
+    run = engine.runner.run
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.runner, "run", broken)
+    done = engine.step()
+    assert done == seqs and all(s.finish_reason == "error" and "injected" in s.error for s in seqs)
+    assert engine.pool.num_free_blocks == free and not engine.has_work()
+    monkeypatch.setattr(engine.runner, "run", run)
+    good = engine.generate(prompt_token_ids=[1, 2, 3], temperature=0, max_tokens=5, ignore_eos=True)
+    assert good.finish_reason == "length" and len(good.output_token_ids) == 5
+
+    a, b = engine.add_request([1, 2, 3], params), engine.add_request([4, 5], params)
+    monkeypatch.setattr(a.detokenizer, "add", broken)
+    while engine.has_work():
+        engine.step()
+    assert a.finish_reason == "error" and "injected" in a.error
+    assert b.finish_reason == "length" and len(b.output_token_ids) == 5
+    assert engine.pool.num_free_blocks == free

@@ -1,0 +1,118 @@
+"""--kv-cache-dtype fp8: the paged pool in float8 e4m3 (scale 1, saturating), written by the store kernel and the
+reference path, read by the decode attention kernel and the reference attention; bytes per token halve."""
+
+import math
+
+import pytest
+import torch
+
+from llm_anatomy import Engine
+from llm_anatomy.models.attention import FP8_MAX, as_cached, decode_attention
+
+FP8 = torch.float8_e4m3fn
+
+
+def rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_as_cached_saturates_instead_of_overflowing():
+    x = torch.tensor([0.1, -1000.0, 1000.0, 3.0, float("inf")])
+    got = as_cached(x, torch.zeros(1, dtype=FP8)).float()
+    assert torch.isfinite(got).all() and got[1] == -FP8_MAX and got[2] == FP8_MAX == got[4]
+    assert torch.equal(as_cached(x, torch.zeros(1)), x)  # other caches store the values as they are
+
+
+def test_fp8_pool_halves_kv_bytes_and_decodes_close_to_bf16(save_tiny):
+    directory, _ = save_tiny()
+    kw = dict(device="cpu", dtype=torch.bfloat16, kv_cache_tokens=128, block_size=4)
+    bf16 = Engine.from_pretrained(directory, **kw)
+    fp8 = Engine.from_pretrained(directory, kv_cache_dtype="fp8", **kw)
+    assert fp8.pool.k.dtype == FP8 and fp8.plan.kv_cache_dtype == "float8_e4m3fn"
+    assert fp8.pool.bytes_per_token * 2 == bf16.pool.bytes_per_token
+    assert fp8.pool.total_bytes * 2 == bf16.pool.total_bytes
+    ids = [5, 9, 2, 7, 1, 3, 8, 8, 1, 4]
+    outs = {}
+    for name, engine in (("bf16", bf16), ("fp8", fp8)):
+        rows = []
+        run = engine.runner.run
+        engine_rows = rows
+
+        def recording(batch, ahead=None, run=run, rows=engine_rows):
+            rows.append(run(batch, ahead).clone())
+            return rows[-1]
+
+        engine.runner.run = recording
+        engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=6, ignore_eos=True)
+        outs[name] = torch.cat(rows)
+    a, b = outs["fp8"], outs["bf16"]
+    assert torch.isfinite(a).all()
+    # the prefill attends this step's own K/V (bf16), decode steps read the fp8 cache: close, not equal
+    assert torch.equal(a[0], b[0]) and ((a - b).norm() / b.norm()).item() < 0.05
+
+
+def test_reference_decode_attention_reads_an_fp8_cache_as_its_values():
+    heads, kv_heads, d, page, pages = 8, 2, 32, 4, 12
+    k, v = rand(pages, page, kv_heads, d), rand(pages, page, kv_heads, d, seed=1)
+    k8, v8 = as_cached(k, torch.zeros(1, dtype=FP8)), as_cached(v, torch.zeros(1, dtype=FP8))
+    tables = torch.arange(pages, dtype=torch.int32).view(2, 6)
+    lens = torch.tensor([21, 9], dtype=torch.int32)
+    q = rand(2, heads, d, seed=2)
+    got = decode_attention(q, k8, v8, tables, lens)
+    want = decode_attention(q, k8.float(), v8.float(), tables, lens)
+    assert torch.equal(got, want)
+
+
+triton = pytest.importorskip("triton")
+
+
+def _kernels_or_skip():
+    from llm_anatomy.kernels import use_kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not use_kernels(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    return device
+
+
+def test_store_kernel_writes_fp8_and_decode_kernel_reads_it():
+    """The fused QK-norm/RoPE/store kernel writes the fp8 cache as as_cached would (Triton's interpreter rounds
+    exact ties away from even: within one fp8 step), and the split decode attention over that cache equals the
+    reference attention over the same fp8 values."""
+    from llm_anatomy.kernels.decode_attention import paged_decode_attention
+    from llm_anatomy.kernels.rope import qk_norm_rope_store
+    from llm_anatomy.models.config import ModelConfig
+    from llm_anatomy.models.qwen3 import RotaryEmbedding
+
+    device = _kernels_or_skip()
+    heads, kv_heads, d, tokens = 4, 2, 32, 24
+    config = ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                                  "head_dim": d, "max_position_embeddings": 512, "rope_theta": 10000.0})
+    rotary = RotaryEmbedding(config).to(device)
+    qkv = rand(tokens, (heads + 2 * kv_heads) * d, seed=3, scale=200.0).to(device)  # some values past 448
+    positions = torch.arange(tokens, device=device)
+    slots = torch.arange(tokens, device=device)
+    k_cache = torch.zeros(8, 4, kv_heads, d, dtype=FP8, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    q, k, v = qk_norm_rope_store(qkv, heads, kv_heads, d, None, None, 0.0, rotary.cos, rotary.sin, positions, slots,
+                                 k_cache, v_cache, kv_out=True)
+    assert k.dtype == qkv.dtype  # the prefill's own K/V stay in the model's dtype
+    for cache, values in ((k_cache, k), (v_cache, v)):
+        stored = cache.view(-1, kv_heads, d)[:tokens].float()
+        want = as_cached(values, cache).float()
+        assert torch.isfinite(stored).all() and stored.abs().max() <= FP8_MAX
+        checked = torch.ones_like(want, dtype=torch.bool)
+        if device.type == "cpu":  # Triton 3.6's interpreter rounds ties away from even, and a value that rounds up
+            # to the next power of two (-31.7 -> -32) loses the carry (-16): the GPU's conversion does neither
+            mantissa = values.float().abs() / 2 ** values.float().abs().log2().floor()
+            checked = (mantissa < 1.875) & (want.abs() < FP8_MAX)
+        assert checked.float().mean() > 0.8 and (stored == want)[checked].float().mean() > 0.95
+        assert (stored.abs() == FP8_MAX).sum() == (want.abs() == FP8_MAX).sum() > 0  # some saturated, the same
+
+    tables = torch.arange(8, dtype=torch.int32, device=device).view(1, 8)
+    lens = torch.tensor([tokens], dtype=torch.int32, device=device)
+    query = rand(1, heads, d, seed=4).to(device)
+    got = paged_decode_attention(query, k_cache, v_cache, tables, lens, 1 / math.sqrt(d), splits=3, block_n=16)
+    want = decode_attention(query, k_cache.float(), v_cache.float(), tables, lens)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
