@@ -208,7 +208,7 @@ _PROBE = """JSON.stringify(Array.from(document.querySelectorAll('div.chart')).ma
 }))"""
 
 
-def load_in_chromium(path: Path, timeout: float = 15.0, settle_s: float = 0.3) -> PageLoad:
+def load_in_chromium(path: Path, timeout: float = 60.0, settle_s: float = 0.3) -> PageLoad:
     """Open `path` in headless Chromium over the DevTools pipe and collect errors, requests and drawn charts."""
     cmd_r, cmd_w = os.pipe()  # we write commands, Chromium reads them on fd 3
     ans_r, ans_w = os.pipe()  # Chromium writes answers and events on fd 4
