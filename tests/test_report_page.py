@@ -105,7 +105,8 @@ def test_wheel_ships_the_templates_and_renders_from_them(tmp_path):
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import llm_anatomy; "
               "assert llm_anatomy.__file__.startswith(sys.argv[1]), llm_anatomy.__file__; "
               "from llm_anatomy.anatomy import Anatomy; from llm_anatomy.report.html import render_html; "
-              "page = render_html(Anatomy.from_json(open(sys.argv[2]).read())); print(len(page), 'chart-roofline' in page)")
+              "page = render_html(Anatomy.from_json(open(sys.argv[2]).read())); "
+              "print(len(page), 'chart-roofline' in page)")
     run = subprocess.run([sys.executable, "-I", "-c", script, str(site), str(record)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -85,3 +85,14 @@ def test_units_are_decimal_and_stated_once():
             for other in ("GiB", "MiB", "KiB", "GB/s", "MB/s"):
                 assert other not in text, other
         assert "TB/s" in page and "TFLOP/s" in page and "TB/s" in term and "TFLOP/s" in term
+
+
+def test_startup_seconds_keep_their_digits():
+    from llm_anatomy.report import startup_text
+
+    a = sample_cpu_anatomy()
+    assert startup_text(a) is None  # the CPU sample has no start-up record
+    s = sample_anatomy().startup
+    a.startup = type(s)(total_s=0.042, compile_and_capture_s=0.0, cuda_graphs=0, programmatic_dependent_launch=False)
+    assert startup_text(a).startswith("0.042 s once")
+    assert units.seconds(17.43) == "17.4 s" and units.seconds(0.0) == "0 s"

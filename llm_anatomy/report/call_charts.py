@@ -43,8 +43,9 @@ def timeline_figure(a: Anatomy) -> go.Figure | None:
             name=f"{processor} spans",
         ))
         rows.append(forward_row)
-    fig.update_layout(**base_layout("Phases of the call (ms since the call began)", height=max(260, 38 * len(rows) + 110),
-                                    barmode="overlay", showlegend=False),
+    height = max(260, 38 * len(rows) + 110)
+    fig.update_layout(**base_layout("Phases of the call (ms since the call began)", height=height, barmode="overlay",
+                                    showlegend=False),
                       xaxis=dict(title="ms", rangemode="tozero"),
                       yaxis=dict(categoryorder="array", categoryarray=list(reversed(rows)), automargin=True))
     ttft = finite(a.ttft_ms)

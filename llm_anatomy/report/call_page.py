@@ -31,7 +31,8 @@ def page_context(a: Anatomy) -> tuple[dict[str, Any], dict[str, Any]]:
     charts = {name: f"chart-{name}" in figures for name in CHARTS}
     words = memory_words(a)
     context = dict(
-        a=a, synthetic=a.weights.kind == "synthetic", startup=startup_text(a), parameters=units.integer(a.model.parameters),
+        a=a, synthetic=a.weights.kind == "synthetic", startup=startup_text(a),
+        parameters=units.integer(a.model.parameters),
         cards=_headline(a), charts=charts, prefill=_prefill(a), decode=_decode(a),
         host_work=[(k.replace("_", " "), units.ms(v)) for k, v in (getattr(a, "host_ms", None) or {}).items()],
         ceilings=_ceilings(a), energy=_energy(a), batching=_batching(a), kv=_kv(a), memory=_memory(a),
@@ -174,7 +175,8 @@ def _kv(a: Anatomy) -> dict:
                 pool=units.size(kv.pool_bytes), pool_blocks=units.integer(kv.pool_blocks),
                 pool_share=units.percent(kv.pool_share_of_device), tokens=kv.tokens, blocks=kv.blocks_allocated,
                 used=units.size(kv.bytes_used), allocated=units.size(kv.bytes_allocated),
-                fits=units.integer(kv.fits_sequences_this_length), fits_full=units.integer(kv.fits_sequences_full_context),
+                fits=units.integer(kv.fits_sequences_this_length),
+                fits_full=units.integer(kv.fits_sequences_full_context),
                 full=units.integer(kv.full_context))
 
 

@@ -89,7 +89,8 @@ def _latency(c: Console, a: Anatomy) -> None:
     c.print(f"[bold]Latency[/bold]  TTFT {units.ms(a.ttft_ms)} · TPOT {tpot} (vLLM's definition) · {itl_text} · "
             f"e2e {units.ms(a.e2e_ms)}{tps}")
     if a.host_ms:
-        c.print("         host work: " + ", ".join(f"{k.replace('_', ' ')} {units.ms(v)}" for k, v in a.host_ms.items()))
+        work = ", ".join(f"{k.replace('_', ' ')} {units.ms(v)}" for k, v in a.host_ms.items())
+        c.print(f"         host work: {work}")
 
 
 def _work(c: Console, a: Anatomy) -> None:
@@ -122,13 +123,14 @@ def _batching(c: Console, a: Anatomy) -> None:
     if b is None:
         return
     if b.max_batch_size == 1 and not b.stalls and not b.preemptions:
-        c.print(f"[bold]Batching[/bold] alone on the engine (a batch of 1 at every step); queued {units.ms(b.queue_ms)}")
+        c.print(f"[bold]Batching[/bold] alone on the engine (a batch of 1 at every step); queued "
+                f"{units.ms(b.queue_ms)}")
         return
     stalls = (f"stalled {units.ms(b.stall_ms)} by {len(b.stalls)} prefill step(s) of other requests"
               if b.stalls else "never stalled by other requests")
     c.print(f"[bold]Batching[/bold] queued {units.ms(b.queue_ms)} · batch max {b.max_batch_size}, mean "
-            f"{units.sig(b.mean_batch_size)} · shared steps with {len(b.co_scheduled)} other request(s) · {stalls} · "
-            f"{b.preemptions} preemption(s)")
+            f"{units.sig(b.mean_batch_size)} · shared steps with {len(b.co_scheduled)} other request(s) · "
+            f"{stalls} · {b.preemptions} preemption(s)")
 
 
 def _kv_cache(c: Console, a: Anatomy) -> None:

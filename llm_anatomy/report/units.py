@@ -9,14 +9,24 @@ print as "n/a".
 
 from __future__ import annotations
 
+import math
 from typing import Any
-
-from . import finite
 
 UNITS = ("decimal SI units throughout: 1 GB = 10^9 bytes (MB, kB likewise), bandwidth in TB/s = 10^12 bytes per "
          "second, arithmetic in TFLOP/s = 10^12 floating-point operations per second, times in ms")
 
 NA = "n/a"
+
+
+def finite(x: Any) -> float | None:
+    """A finite float, or None (charts and trace JSON must hold no NaN or infinity)."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
 
 
 def sig(x: Any, digits: int = 3) -> str:
@@ -49,6 +59,14 @@ def ms(x: Any) -> str:
     if abs(v) >= 1000:
         return f"{sig(v / 1000, 4 if abs(v) >= 10_000 else 3)} s"
     return f"{sig(v)} ms"
+
+
+def seconds(x: Any) -> str:
+    """A duration given in seconds, to a tenth from 0.1 s on ("17.4 s"), else with significant digits."""
+    v = finite(x)
+    if v is None:
+        return NA
+    return f"{v:.1f} s" if abs(v) >= 0.1 else f"{sig(v, 2)} s"
 
 
 _SIZES = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
