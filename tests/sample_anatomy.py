@@ -212,7 +212,8 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
     pool_real = pool_blocks * block_bytes
     if cpu:
         cuda_graphs, other, alloc_free, ctx_other = 0, 180 * MiB, 0, 2 * GiB + 311 * MiB
-        source = "psutil: process RSS vs system total (no CUDA allocator)"
+        source = ("host RAM: /proc/self/statm (this process) and sysconf (free = available pages); "
+                  "other processes and the OS page cache are in context_and_other")  # as probe/memory.py says
     else:
         cuda_graphs, other, alloc_free, ctx_other = 412 * MiB, 1337 * MiB, 2 * GiB + 75 * MiB, 1 * GiB + 505 * MiB
         source = "torch.cuda.memory_stats + NVML device memory, after the call"

@@ -108,7 +108,9 @@ def test_headline_and_sections():
     assert "Qwen3-8B" in page and "NVIDIA H200" in page and "2025-06-01" in page
     for label in ("TTFT", "TPOT", "End to end", "Prefill", "Decode", "KV cache per token", "Energy per token"):
         assert f'<div class="label">{label}</div>' in page
-    assert "TFLOP/s" in page and "GB/s" in page and "MFU" in page and "MBU" in page
+    assert "TFLOP/s" in page and "TB/s" in page and "MFU" in page and "MBU" in page
+    for other_unit in ("GB/s", "GiB", "MiB", "KiB"):  # one unit system (decimal), bandwidth in TB/s
+        assert other_unit not in page, other_unit
     assert "SYNTHETIC WEIGHTS" not in page  # a real checkpoint is not labelled synthetic
     for chart in ("timeline", "steps", "roofline", "power", "clocks", "kv", "census", "kernels"):
         assert f'id="chart-{chart}"' in page
@@ -206,7 +208,7 @@ _PROBE = """JSON.stringify(Array.from(document.querySelectorAll('div.chart')).ma
 }))"""
 
 
-def load_in_chromium(path: Path, timeout: float = 15.0, settle_s: float = 0.3) -> PageLoad:
+def load_in_chromium(path: Path, timeout: float = 60.0, settle_s: float = 0.3) -> PageLoad:
     """Open `path` in headless Chromium over the DevTools pipe and collect errors, requests and drawn charts."""
     cmd_r, cmd_w = os.pipe()  # we write commands, Chromium reads them on fd 3
     ans_r, ans_w = os.pipe()  # Chromium writes answers and events on fd 4
