@@ -13,6 +13,7 @@ distance between its dtype and float32 (the rounding any implementation in that 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -69,10 +70,12 @@ def reference_logprobs(engine, dtype: torch.dtype, device: torch.device, prompt:
     with torch.inference_mode():
         ids = torch.tensor([prompt + output[:-1]], device=device)
         logits = model(ids, logits_to_keep=len(output)).logits[0]
-    del model
+    logprobs = logits.float().log_softmax(-1).cpu()
+    del model, logits
+    gc.collect()  # the model's memory back before the next one loads, whatever cycles it holds
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return logits.float().log_softmax(-1).cpu()
+    return logprobs
 
 
 def parity(engine, dtype: torch.dtype, device: torch.device, prompt_tokens: int, decode_steps: int,

@@ -214,7 +214,8 @@ def render_levels(result: dict) -> str:
         t, p = lv["ttft_ms"], lv["tpot_ms"]
         lines.append(
             f"| {lv['concurrency']} | {lv['output_tok_s']:.0f} | {fixed(lv['bare_engine_tok_s'], 0)} | "
-            f"{' / '.join(fixed(t[q], 1) for q in (50, 90, 99))} | {' / '.join(fixed(p[q], 2) for q in (50, 90, 99))} | "
+            f"{' / '.join(fixed(t[q], 1) for q in (50, 90, 99))} | "
+            f"{' / '.join(fixed(p[q], 2) for q in (50, 90, 99))} | "
             f"{fixed(lv['itl_ms'][99], 2)} | {fixed(lv['server'].get('mean_batch'), 1)} | "
             f"{fixed(lv['joules_per_output_token'], 3)} | {lv['all_tokens']} |")
     build = result.get("anatomy_build_ms_mean")
