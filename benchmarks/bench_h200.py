@@ -1,38 +1,43 @@
 """Qwen3-8B on one GPU, in one go: this engine against HF transformers (same synthetic weights, same prompts)
 and against the device's measured ceilings. Sections can be picked with --sections.
 
-    python benchmarks/bench_h200.py --out $OUT/bench.json            # everything
-    python benchmarks/bench_h200.py --sections gemv,ours --out ...    # a part
+    python benchmarks/bench_h200.py --out $OUT/bench                      # every section
+    python benchmarks/bench_h200.py --sections env,ours --out $OUT/bench  # a part
 
-Writes the full results as JSON and prints a table last. Timings are medians over repeated steps after
-warm-up; device time from CUDA events, host time from perf_counter with a sync.
+Before and after a change, in one run on one GPU: --baseline DIR names another checkout of the project (e.g.
+`git worktree add /tmp/before main`); the same sections then run for it and for this checkout, each in its own
+process with PYTHONPATH at its checkout, --rounds times with the order alternating, and the headline figures
+are printed side by side with the difference in %:
+
+    python benchmarks/bench_h200.py --baseline /tmp/before --sections env,ours,overhead --rounds 2 --out $OUT/ab
+
+Results: OUT/bench.json and OUT/anatomy.json (one call's anatomy, from section ours); with --baseline,
+OUT/{current,baseline}-ROUND/ hold each run's and OUT/comparison.json the table. Timings are medians over
+repeated steps after warm-up; device time from CUDA events, host time from perf_counter with a sync.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_args import Parser, checkout, names_from, output_dir, positive_int
 
-from llm_anatomy import Engine  # noqa: E402
-from llm_anatomy.models.loader import hf_state_dict  # noqa: E402
-from llm_anatomy.probe.call import CallRequest, measure_call  # noqa: E402
-from llm_anatomy.probe.ceilings import calibrate  # noqa: E402
-from llm_anatomy.probe.cost import decode_cost, prefill_cost  # noqa: E402
-
-ALL = ["env", "correctness", "gemv", "attn", "ours", "overhead", "kernels", "hf", "protocol", "pdl", "prefill_graphs"]
+THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 QWEN_PROTOCOL_INPUTS = (1, 6144, 14336, 30720)
 # Published by Qwen (speed_benchmark.md), Qwen3-8B BF16 on one H20, batch 1, 2048 generated tokens: tok/s
 QWEN_PUBLISHED_H20 = {1: (81.73, 45.32), 6144: (296.25, 146.12), 14336: (524.70, 183.29), 30720: (832.67, 208.98)}
+KV_CACHE_TOKENS = 40960  # every section's engine: the protocol's longest input plus its 2048 tokens fit
 
 
 def rel(a, b) -> float:
@@ -58,22 +63,12 @@ def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    """fn run once (compiles, allocates), then captured in a CUDA graph."""
-    fn()
-    sync()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def prompt_ids(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 151643, (n,), generator=g).tolist()
+    return torch.randint(0, 151643, (n,), generator=g).tolist()  # below Qwen's special tokens
 
 
-def timed_generate(engine: Engine, ids: list[int], new_tokens: int, watch_clocks: bool = False) -> dict:
+def timed_generate(engine, ids: list[int], new_tokens: int, watch_clocks: bool = False) -> dict:
     """Greedy generation with no observer attached: host times of the prefill step and each decode step. With
     watch_clocks, NVML is sampled at 100 Hz from another process (as the anatomy does), and the SM clock and
     power during the first EARLY_STEPS decode steps and during the rest are reported."""
@@ -122,7 +117,7 @@ def clocks_by_phase(samples, starts_ns: list[int], end_ns: int) -> dict:
     return out
 
 
-def one_prefill_ms(engine: Engine, n: int, seed: int) -> float:
+def one_prefill_ms(engine, n: int, seed: int) -> float:
     """Device time of one engine step that prefills n fresh tokens (forward + last-token logits)."""
     seq = engine.add_request(prompt_ids(n, seed=seed), engine.sampling_params(temperature=0, max_tokens=1))
     sync()
@@ -135,13 +130,13 @@ def one_prefill_ms(engine: Engine, n: int, seed: int) -> float:
     return a.elapsed_time(b)
 
 
-def prefill_ms(engine: Engine, n: int, repeats: int = 3) -> float:
-    """The median of `repeats` prefills of n tokens, after one for warm-up, back to back: under the power cap
-    (the clocks fall from 1980 to about 1560 MHz within 0.1 s of such load on the H200: RESULTS.md)."""
+def prefill_ms(engine, n: int, repeats: int = 3) -> float:
+    """The median of `repeats` prefills of n tokens, after one for warm-up, back to back: under the power limit,
+    which takes an H200's clocks from 1980 to about 1560 MHz within 0.1 s of such load."""
     return statistics.median([one_prefill_ms(engine, n, seed=r) for r in range(repeats + 1)][1:])
 
 
-def rested_prefill_ms(engine: Engine, n: int, repeats: int = 5, rest_s: float = 1.0) -> list[float]:
+def rested_prefill_ms(engine, n: int, repeats: int = 5, rest_s: float = 1.0) -> list[float]:
     """Prefills of n tokens, each after rest_s of an idle device: one API call as it finds a GPU that was not
     just busy, its clocks at their burst rate (the rate the floors assume)."""
     times = []
@@ -152,10 +147,40 @@ def rested_prefill_ms(engine: Engine, n: int, repeats: int = 5, rest_s: float = 
     return times
 
 
+def make_engine(ctx, **settings):
+    """The engine the sections share (Qwen3-8B, synthetic bf16 weights), built again when the settings change."""
+    from llm_anatomy import Engine
+
+    key = tuple(sorted(settings.items()))
+    if ctx.get("engine_key") != key:
+        ctx.pop("engine", None)
+        gc.unfreeze()  # the engine before was frozen with the heap (main): let it go
+        gc.collect()
+        torch.cuda.empty_cache()
+        t = time.perf_counter()
+        ctx["engine"] = Engine.from_pretrained(ctx["model"], device="cuda", dtype="bfloat16", weights="synthetic",
+                                               **settings)
+        ctx["engine_load_s"] = time.perf_counter() - t
+        ctx["engine_key"] = key
+        gc.collect()
+        gc.freeze()
+    return ctx["engine"]
+
+
+def describe_engine(engine) -> dict:
+    """The engine's own account of its execution plan and captured CUDA graphs. A checkout from before the
+    engine described them (a --baseline) has neither."""
+    plan, graphs = getattr(engine, "plan", None), getattr(engine, "graphs", None)
+    return {"plan": plan.describe() if plan is not None else None,
+            "graphs": graphs.describe() if graphs is not None else None}
+
+
 # ---- sections -------------------------------------------------------------------------------------------------
 def section_env(ctx) -> dict:
     import transformers
     import triton
+
+    from llm_anatomy.probe.ceilings import calibrate
 
     ceilings = calibrate(torch.device("cuda"))
     ctx["ceilings"] = ceilings
@@ -174,7 +199,7 @@ def section_env(ctx) -> dict:
 def sustained_matmul(n: int = 8192, seconds: float = 2.0, batch: int = 60) -> dict:
     """bf16 n^3 products on random data back to back for `seconds`, timed in batches (~0.1 s each on the H200):
     the median rate of the second half, once the power limit has taken the clocks down. calibrate's matmul rate
-    is a burst of a few ms, above what a prefill of more than a few tens of ms gets (RESULTS.md, third session)."""
+    is a burst of a few ms, above what a prefill of more than a few tens of ms gets."""
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty_like(a)
     rates = []
@@ -237,12 +262,13 @@ def section_attn(ctx) -> dict:
         kv_bytes = 36 * 2 * context * kv_heads * d * 2
         variants = [(bn, w, st, None) for bn, w, st in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (32, 4, 3),
                                                         (64, 8, 4))]
-        variants += [(bn, 4, 2, splits) for bn in (64, 128) for splits in (66, 132)]  # None: default_splits (33)
+        variants += [(bn, 4, 2, splits) for bn in (64, 128) for splits in (66, 132)]  # None: default_splits
         for block_n, warps, stages, splits in variants:
             def run():
                 for k, v in caches:
                     paged_decode_attention(q, k, v, table, lens, d ** -0.5, block_n=block_n, num_warps=warps,
                                            num_stages=stages, splits=splits)
+            name = f"ctx{context}_bn{block_n}_w{warps}_s{stages}_splits{splits or 'default'}"
             try:
                 run()
                 sync()
@@ -250,83 +276,31 @@ def section_attn(ctx) -> dict:
                 with torch.cuda.graph(graph):
                     run()
                 ms = cuda_ms(graph.replay, iters=20)
-                out[f"ctx{context}_bn{block_n}_w{warps}_s{stages}_splits{splits or 'default'}"] = {
-                    "ms_36_layers": ms, "tbps": kv_bytes / ms / 1e9}
-            except Exception as e:
-                out[f"ctx{context}_bn{block_n}_w{warps}_s{stages}_splits{splits or 'default'}"] = {"error": str(e)[:200]}
+                out[name] = {"ms_36_layers": ms, "tbps": kv_bytes / ms / 1e9}
+            except Exception as e:  # a tile this GPU cannot run (shared memory): recorded, the others go on
+                out[name] = {"error": str(e)[:200]}
         caches = run = graph = None  # the last graph's pool holds the caches' memory until it goes
         torch.cuda.empty_cache()
     return out
 
 
-def make_engine(ctx, **kw) -> Engine:
-    key = tuple(sorted(kw.items()))
-    if ctx.get("engine_key") != key:
-        ctx.pop("engine", None)
-        torch.cuda.empty_cache()
-        t = time.perf_counter()
-        ctx["engine"] = Engine.from_pretrained(ctx["model"], device="cuda", weights="synthetic", **kw)
-        ctx["engine_load_s"] = time.perf_counter() - t
-        ctx["engine_key"] = key
-    return ctx["engine"]
-
-
 def section_correctness(ctx) -> dict:
-    """Fast path (kernels + graphs) logits against HF transformers' Qwen3 on the same weights, bf16, and both
-    against an fp32 HF copy: a 512-token prefill + 64 decode steps, and a 16k-token prefill + 16 steps."""
-    engine = make_engine(ctx, kv_cache_tokens=40960)
-    out = {}
-    for prompt_len, steps in ((512, 64), (16384, 16)):
-        ids = prompt_ids(prompt_len, seed=7)
-        seq = engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-        rows = []
-        run = engine.runner.run
-        def recording(b, a=None, run=run, rows=rows):
-            logits = run(b, a)
-            if len(logits):  # a chunk of the prompt samples nothing
-                rows.append(logits[0].clone())
-            return logits
+    """The fast path's greedy decode against HF transformers' Qwen3 on the same weights, in bf16 and float32
+    (check_core.py): a 512-token prompt and 64 tokens, and a 16k-token prompt and 16 tokens."""
+    import check_core
 
-        engine.runner.run = recording
-        try:
-            while not seq.finished:
-                engine.step()
-        finally:
-            engine.runner.run = run
-        ours = torch.stack(rows)  # logits that chose output tokens 0..steps
-        tokens = ids + seq.output_token_ids
-        ref = {}
-        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-            model = hf_model(engine, dtype)
-            with torch.inference_mode():
-                logits = model(torch.tensor([tokens[:-1]], device="cuda"), logits_to_keep=steps + 1).logits[0]
-            ref[name] = logits.float()
-            del model
-            torch.cuda.empty_cache()
-        out[f"prefill{prompt_len}+decode{steps}"] = {
-            "ours_vs_hf_bf16": rel(ours, ref["bf16"]), "ours_vs_fp32": rel(ours, ref["fp32"]),
-            "hf_bf16_vs_fp32": rel(ref["bf16"], ref["fp32"]),
-            "argmax_agreement_with_hf_bf16": (ours.argmax(-1) == ref["bf16"].argmax(-1)).float().mean().item()}
-    return out
-
-
-def hf_model(engine: Engine, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(**{k: v for k, v in engine.config.to_hf().items() if k != "architectures"})
-    config._attn_implementation = "sdpa"
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in hf_state_dict(engine.model).items()},
-                                                strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    return model.eval()
+    engine = make_engine(ctx, kv_cache_tokens=KV_CACHE_TOKENS)
+    return {f"prefill{p}+decode{s}": check_core.parity(engine, torch.bfloat16, torch.device("cuda"), p, s)
+            for p, s in ((512, 64), (16384, 16))}
 
 
 def section_ours(ctx) -> dict:
-    engine = make_engine(ctx, kv_cache_tokens=40960)
-    out = {"load_s": ctx["engine_load_s"], "graph_capture_s": engine.runner.capture_seconds,
-           "graph_bytes": engine.runner.graph_bytes, "pdl": engine.pdl}
+    from llm_anatomy.probe.call import CallRequest, measure_call
+    from llm_anatomy.probe.ceilings import calibrate
+    from llm_anatomy.probe.cost import decode_cost, prefill_cost
+
+    engine = make_engine(ctx, kv_cache_tokens=KV_CACHE_TOKENS)
+    out = {"load_s": ctx["engine_load_s"], "engine": describe_engine(engine)}
     timed_generate(engine, prompt_ids(128), 16)  # warm-up
     out["decode_ctx512"] = timed_generate(engine, prompt_ids(384, 1), 128, watch_clocks=True)
     out["decode_ctx32k"] = timed_generate(engine, prompt_ids(32640, 2), 64, watch_clocks=True)
@@ -352,16 +326,16 @@ def section_ours(ctx) -> dict:
         out[f"prefill_{n}_floor_ms"] = cost.flops / (ceilings.matmul_tflops * 1e12) * 1e3
         if ctx.get("sustained_tflops"):  # the same FLOPs at the rate the power limit allows (section env)
             out[f"prefill_{n}_sustained_floor_ms"] = cost.flops / (ctx["sustained_tflops"] * 1e12) * 1e3
-    tuning = engine.runner.tile_tuning  # the GEMV tiles this process uses, and whether it tuned them
-    out["gemv_tiles"] = {"source": tuning.source, "seconds": tuning.seconds, "step_ms": tuning.step_ms,
-                         "tiles": {str(k): str(t) for k, t in tuning.tiles.items()}}
     return out
 
 
 def section_overhead(ctx) -> dict:
     """TPOT with the anatomy attached (measure_call: observer, CUDA events, NVML sampler process) and without,
     alternating, same prompt."""
-    engine = make_engine(ctx, kv_cache_tokens=40960)
+    from llm_anatomy.probe.call import CallRequest, measure_call
+    from llm_anatomy.probe.ceilings import calibrate
+
+    engine = make_engine(ctx, kv_cache_tokens=KV_CACHE_TOKENS)
     ceilings = ctx.get("ceilings") or calibrate(torch.device("cuda"), quick=True)
     ids = prompt_ids(256, 3)
     on, off = [], []
@@ -376,11 +350,13 @@ def section_overhead(ctx) -> dict:
 
 
 def section_hf(ctx) -> dict:
-    """HF transformers 5 on the same weights: prefill (last-token logits) and a decode loop with DynamicCache."""
+    """HF transformers on the same weights: prefill (last-token logits) and a decode loop with DynamicCache."""
     from transformers import DynamicCache
 
-    engine = make_engine(ctx, kv_cache_tokens=40960)
-    model = hf_model(engine, torch.bfloat16)
+    import check_core
+
+    engine = make_engine(ctx, kv_cache_tokens=KV_CACHE_TOKENS)
+    model = check_core.hf_model(engine, torch.bfloat16, torch.device("cuda"))
     out = {}
     with torch.inference_mode():
         for n in (128, 2048, 8192):
@@ -398,17 +374,20 @@ def section_hf(ctx) -> dict:
             logits.argmax(-1).item()  # the token on the host, as an engine needs it
             steps.append((time.perf_counter() - t) * 1e3)
         out["decode_step_ms_median"] = statistics.median(steps[5:])
-    ctx["hf"] = model
+    del model, cache, logits
+    torch.cuda.empty_cache()
     return out
 
 
 def section_protocol(ctx) -> dict:
     """Qwen's speed benchmark: batch 1, 2048 generated tokens, speed = (input + output) / time, peak memory.
-    This engine runs it whole; HF runs the prefill and 32 decode steps per input, extrapolated to 2048."""
+    This engine runs it whole (before HF's copy of the weights is loaded, so the peak is its own); HF runs the
+    prefill and 32 decode steps per input, extrapolated to 2048."""
     from transformers import DynamicCache
 
-    engine = make_engine(ctx, kv_cache_tokens=40960)
-    ctx.pop("hf", None)  # this engine first, with no HF copy of the weights in memory: its peak is its own
+    import check_core
+
+    engine = make_engine(ctx, kv_cache_tokens=KV_CACHE_TOKENS)
     torch.cuda.empty_cache()
     ours = {}
     for n in QWEN_PROTOCOL_INPUTS:
@@ -416,7 +395,7 @@ def section_protocol(ctx) -> dict:
         r = timed_generate(engine, prompt_ids(n, 11), 2048)
         ours[n] = {"tok_s": (n + 2048) / r["total_s"], "seconds": r["total_s"],
                    "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
-    model = hf_model(engine, torch.bfloat16)
+    model = check_core.hf_model(engine, torch.bfloat16, torch.device("cuda"))
     out = {}
     for n in QWEN_PROTOCOL_INPUTS:
         ids = torch.tensor([prompt_ids(n, 11)], device="cuda")
@@ -446,38 +425,36 @@ def section_protocol(ctx) -> dict:
 
 
 def section_pdl(ctx) -> dict:
-    """The same decode with programmatic dependent launch turned off (an A/B of that one change)."""
-    engine = make_engine(ctx, kv_cache_tokens=40960, pdl=False)
-    assert not engine.pdl
+    """The same decode on an engine built with programmatic dependent launch off (pdl=False)."""
+    engine = make_engine(ctx, kv_cache_tokens=KV_CACHE_TOKENS, pdl=False)
     timed_generate(engine, prompt_ids(128), 16)  # warm-up
-    return {"decode_ctx512_no_pdl": timed_generate(engine, prompt_ids(384, 1), 128),
+    return {"engine": describe_engine(engine),
+            "decode_ctx512_no_pdl": timed_generate(engine, prompt_ids(384, 1), 128),
             "decode_ctx32k_no_pdl": timed_generate(engine, prompt_ids(32640, 2), 64)}
 
 
 def section_prefill_graphs(ctx) -> dict:
-    """Prefill from a graph (padded up to its bucket) against the same prefill run eagerly (the graphs hidden),
-    at lengths that pad the most (1025: to 1152) and not at all (2048); and whether an eager prefill at a new
-    length pays a one-time cost (cuDNN building its attention plan): 3001 tokens twice, then 3002."""
-    engine = make_engine(ctx, kv_cache_tokens=40960)
-    runner = engine.runner
-    out = {}
-    for n in (1025, 1536, 2048):
-        graphed = prefill_ms(engine, n)
-        graphs, runner.prefill_graphs = runner.prefill_graphs, {}
-        try:
-            out[str(n)] = {"graph_ms": graphed, "eager_ms": prefill_ms(engine, n)}
-        finally:
-            runner.prefill_graphs = graphs
-    out["new_length_eager_ms"] = {"3001_first": one_prefill_ms(engine, 3001, 0),
-                                  "3001_again": one_prefill_ms(engine, 3001, 1),
-                                  "3002_first": one_prefill_ms(engine, 3002, 2)}
+    """Prefills replayed from a CUDA graph (padded up to their bucket) against the same prefills on an engine
+    built without graphs (cuda_graphs=False, which also leaves PDL off), at lengths that pad the most (1025: to
+    1152), some and not at all (2048); and whether an eager prefill at a new length pays a one-time cost (cuDNN
+    building its attention plan, a kernel compiled): 3001 tokens twice, then 3002."""
+    lengths = (1025, 1536, 2048)
+    engine = make_engine(ctx, kv_cache_tokens=KV_CACHE_TOKENS)
+    graphed = {n: prefill_ms(engine, n) for n in lengths}
+    new_length = {"3001_first": one_prefill_ms(engine, 3001, 0), "3001_again": one_prefill_ms(engine, 3001, 1),
+                  "3002_first": one_prefill_ms(engine, 3002, 2)}  # above the graphs' 2048: eager either way
+    del engine  # so that make_engine can free it before it builds the next
+    eager = make_engine(ctx, kv_cache_tokens=KV_CACHE_TOKENS, cuda_graphs=False)
+    out = {str(n): {"graph_ms": graphed[n], "eager_ms": prefill_ms(eager, n)} for n in lengths}
+    out["new_length_eager_ms"] = new_length
     return out
 
 
 def section_kernels(ctx) -> dict:
+    """GPU time by kernel category and the top kernels of a profiled prefill and decode (probe.kernels)."""
     from llm_anatomy.probe.kernels import profile_kernels
 
-    engine = make_engine(ctx, kv_cache_tokens=40960)
+    engine = make_engine(ctx, kv_cache_tokens=KV_CACHE_TOKENS)
     out = {}
     for b in profile_kernels(engine, prompt_ids(512, 5), {"temperature": 0}, decode_steps=8):
         out[b.phase] = {"total_ms": b.total_ms, "steps": b.steps,
@@ -486,10 +463,18 @@ def section_kernels(ctx) -> dict:
     return out
 
 
+SECTIONS = {"env": section_env, "correctness": section_correctness, "gemv": section_gemv, "attn": section_attn,
+            "ours": section_ours, "overhead": section_overhead, "kernels": section_kernels, "hf": section_hf,
+            "protocol": section_protocol, "pdl": section_pdl, "prefill_graphs": section_prefill_graphs}
+ALL = list(SECTIONS)
+
+
+# ---- tables ---------------------------------------------------------------------------------------------------
 def render_tables(results: dict) -> str:
-    """The issue's table (each target: this engine, HF, their ratio, the floor and the fraction of it reached)
+    """The targets' table (each target: this engine, HF, their ratio, the floor and the fraction of it reached)
     and Qwen's protocol beside its published figures, as markdown, from whichever sections ran."""
-    ours, hf, protocol = results.get("ours", {}), results.get("hf", {}), results.get("protocol", {})
+    ours, hf, protocol, env, overhead = ({} if "error" in results.get(name, {}) else results.get(name, {})
+                                         for name in ("ours", "hf", "protocol", "env", "overhead"))  # failed: none
     hf_32k = protocol.get("30720", {}).get("hf_extrapolated", {}).get("decode_step_s_median")
     rows = []
     if "decode_ctx512" in ours:
@@ -499,7 +484,7 @@ def render_tables(results: dict) -> str:
                   hf_32k * 1e3 if hf_32k else None, ours["decode_ctx32k"]["floor_ms"]),
                  ("prefill, 2048 tokens, back to back", 45.0, ours["prefill_2048_ms"], hf.get("prefill_2048_ms"),
                   ours["prefill_2048_floor_ms"])]
-        if "prefill_2048_rested_ms" in ours:  # not in runs before run 33
+        if "prefill_2048_rested_ms" in ours:  # not in results written before the rested prefill was timed
             rows.append(("prefill, 2048 tokens, each after 1 s idle (a call on a rested GPU)", 45.0,
                          ours["prefill_2048_rested_ms"], None, ours["prefill_2048_floor_ms"]))
         rows += [("prefill, 8192 tokens, back to back", 200.0, ours["prefill_8192_ms"], hf.get("prefill_8192_ms"),
@@ -513,11 +498,11 @@ def render_tables(results: dict) -> str:
         lines.append(f"| {name} | <= {goal:g} ms | {fmt(value)} | {fmt(ref)} | {fmt(ref and ref / value, 'x')} | "
                      f"{fmt(floor)} | {'' if floor is None else f'{floor / value:.0%}'} | "
                      f"{'yes' if value <= goal else 'no'} |")
-    overhead = results.get("overhead", {}).get("overhead")
+    overhead = overhead.get("overhead")
     if overhead is not None:
         lines.append(f"| anatomy on vs off | <= 2 % of TPOT | {overhead:+.2%} | | | | | "
                      f"{'yes' if overhead <= 0.02 else 'no'} |")
-    sustained = results.get("env", {}).get("sustained_matmul")
+    sustained = env.get("sustained_matmul")
     if sustained and "prefill_8192_sustained_floor_ms" in ours:
         floors = [(n, ours[f"prefill_{n}_sustained_floor_ms"], ours[f"prefill_{n}_ms"]) for n in (2048, 8192)]
         lines += ["", f"The floor column is at the burst matmul rate. Under the power limit (bf16 {sustained['n']}^3 "
@@ -530,49 +515,151 @@ def render_tables(results: dict) -> str:
                   "| input | this engine | peak MiB | HF, this GPU (extrapolated) | SGLang, H20 (published) | "
                   "Transformers, H20 (published) |", "|---|---|---|---|---|---|"]
         for n, r in protocol.items():
-            peak = r["ours"].get("peak_mib", r["ours"].get("peak_mib_process"))
-            lines.append(f"| {n} | {r['ours']['tok_s']:.1f} | {peak:,.0f} | {r['hf_extrapolated']['tok_s']:.1f} | "
-                         f"{r['published_h20_sglang_tok_s']} | {r['published_h20_transformers_tok_s']} |")
+            lines.append(f"| {n} | {r['ours']['tok_s']:.1f} | {r['ours']['peak_mib']:,.0f} | "
+                         f"{r['hf_extrapolated']['tok_s']:.1f} | {r['published_h20_sglang_tok_s']} | "
+                         f"{r['published_h20_transformers_tok_s']} |")
     return "\n".join(lines) if len(lines) > 2 else "(no section with a target ran)"
 
 
-def names_from(allowed, what: str):
-    """An argparse type: a comma-separated list of names from `allowed`, refused with the choices otherwise."""
-    def parse(text: str) -> list[str]:
-        names = [n for n in text.split(",") if n]
-        unknown = [n for n in names if n not in allowed]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or '(none given)'}; "
-                                             f"pick from {','.join(allowed)}")
-        return names
-    return parse
+def headline(results: dict) -> dict[str, tuple[float, str]]:
+    """The figures a before/after comparison looks at, label -> (value, unit), from whichever sections ran (a
+    section that failed has none). Percentages are in percent."""
+    figures = {}
+
+    def put(label: str, unit: str, *path, scale: float = 1.0):
+        value = results
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            figures[label] = (value * scale, unit)
+
+    for label, key in (("<= 512", "decode_ctx512"), ("at 32k", "decode_ctx32k")):
+        put(f"decode TPOT, context {label}", "ms", "ours", key, "tpot_ms")
+        put(f"decode step median, context {label}", "ms", "ours", key, "decode_step_ms_median")
+    for n in (128, 2048, 8192):
+        put(f"prefill, {n} tokens, back to back", "ms", "ours", f"prefill_{n}_ms")
+    put("prefill, 2048 tokens, each after 1 s idle", "ms", "ours", "prefill_2048_rested_ms")
+    put("TTFT, chat prompt", "ms", "ours", "ttft_chat_prompt", "ttft_ms")
+    put("engine start-up", "s", "ours", "load_s")
+    put("anatomy on vs off, of TPOT", "%", "overhead", "overhead", scale=100)
+    put("read bandwidth (calibrate)", "GB/s", "env", "ceilings", "read_gbps")
+    put("bf16 matmul, burst (calibrate)", "TFLOP/s", "env", "ceilings", "matmul_tflops")
+    put("bf16 matmul, sustained", "TFLOP/s", "env", "sustained_matmul", "tflops")
+    for case in results.get("correctness", {}):
+        put(f"argmax agreement with HF bf16, {case}", "%", "correctness", case, "argmax_agreement_with_hf", scale=100)
+        put(f"largest |logprob - HF bf16's|, {case}", "nats", "correctness", case, "vs_hf",
+            "chosen_logprob_abs_err_max")
+    for n in results.get("protocol", {}):
+        put(f"Qwen's protocol, input {n}", "tok/s", "protocol", n, "ours", "tok_s")
+    for label, key in (("<= 512", "decode_ctx512_no_pdl"), ("at 32k", "decode_ctx32k_no_pdl")):
+        put(f"decode TPOT without PDL, context {label}", "ms", "pdl", key, "tpot_ms")
+    for n, row in results.get("prefill_graphs", {}).items():
+        for how in ("graph", "eager"):
+            put(f"prefill {n} tokens, {how}", "ms", "prefill_graphs", n, f"{how}_ms")
+    for shape in results.get("gemv", {}):
+        for impl in ("triton", "cublas"):
+            put(f"GEMV {shape}, {impl}", "ms", "gemv", shape, impl, "ms")
+    for variant in results.get("attn", {}):
+        put(f"decode attention {variant}, 36 layers", "ms", "attn", variant, "ms_36_layers")
+    for phase in results.get("kernels", {}):
+        put(f"kernels, {phase}", "ms", "kernels", phase, "total_ms")
+    put("HF: decode step, context 448", "ms", "hf", "decode_step_ms_median")
+    for n in (128, 2048, 8192):
+        put(f"HF: prefill, {n} tokens", "ms", "hf", f"prefill_{n}_ms")
+    return figures
 
 
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"want a positive whole number, got {text!r}")
-    return int(text)
+def comparison_rows(baseline_runs: list[dict], current_runs: list[dict]) -> list[dict]:
+    """Each headline figure of either side: the median over its runs, the runs' range, and the change from the
+    baseline (relative; in points for percentages)."""
+    sides = {"baseline": [headline(r) for r in baseline_runs], "current": [headline(r) for r in current_runs]}
+    labels = list(dict.fromkeys(label for runs in sides.values() for figures in runs for label in figures))
+    rows = []
+    for label in labels:
+        unit = next(figures[label][1] for runs in sides.values() for figures in runs if label in figures)
+        row = {"figure": label, "unit": unit}
+        for side, runs in sides.items():
+            values = [figures[label][0] for figures in runs if label in figures]
+            row[side] = statistics.median(values) if values else None
+            row[f"{side}_range"] = (min(values), max(values)) if values else None
+        base, cur = row["baseline"], row["current"]
+        if base is None or cur is None or (unit != "%" and not base):
+            row["change"] = None
+        else:
+            row["change"] = cur - base if unit == "%" else cur / base - 1
+        rows.append(row)
+    return rows
 
 
-section_list = names_from(ALL, "section")
+def number(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
 
-def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="Qwen/Qwen3-8B")
-    parser.add_argument("--sections", type=section_list, default=ALL, help=f"comma-separated, of {','.join(ALL)}")
-    parser.add_argument("--out")
-    args = parser.parse_args(argv)
-    ctx = {"model": args.model}
-    results = {}
-    for name in args.sections:
+def render_comparison(rows: list[dict], rounds: int) -> str:
+    """The side-by-side table as markdown: medians (and, over several rounds, their range) and the change."""
+    def cell(row, side):
+        value, spread = row[side], row[f"{side}_range"]
+        if value is None or rounds == 1 or spread[0] == spread[1]:
+            return number(value)
+        return f"{number(value)} ({number(spread[0])}-{number(spread[1])})"
+
+    lines = ["| figure | unit | baseline | this checkout | change |", "|---|---|---|---|---|"]
+    for row in rows:
+        change = row["change"]
+        shown = "" if change is None else f"{change:+.2f} pt" if row["unit"] == "%" else f"{change:+.1%}"
+        lines.append(f"| {row['figure']} | {row['unit']} | {cell(row, 'baseline')} | {cell(row, 'current')} | "
+                     f"{shown} |")
+    return "\n".join(lines)
+
+
+# ---- running ---------------------------------------------------------------------------------------------------
+def import_package(root: Path):
+    """Imports llm_anatomy from the checkout at root, and makes sure that is where it came from."""
+    sys.path.insert(0, str(root))
+    import llm_anatomy
+
+    where = Path(llm_anatomy.__file__).resolve().parent
+    if where != root / "llm_anatomy":
+        sys.exit(f"bench_h200.py: error: llm_anatomy was imported from {where}, not from {root}")
+    return llm_anatomy
+
+
+def package_info(root: Path) -> dict:
+    """Which checkout ran: its directory and, when it is a git checkout of its own (not a directory inside
+    another one), its commit and whether llm_anatomy/ had uncommitted changes."""
+    def git(*args) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    info = {"root": str(root), "commit": None, "uncommitted_changes": None}
+    top = git("rev-parse", "--show-toplevel")
+    if top and Path(top).resolve() == root:
+        info["commit"] = git("rev-parse", "HEAD")
+        info["uncommitted_changes"] = bool(git("status", "--porcelain", "--", "llm_anatomy"))
+    return info
+
+
+def run_sections(root: Path, model: str, sections: list[str], out: Path | None) -> dict:
+    """Every section asked for, in this process, on the checkout at root; a section that fails is recorded as
+    such and the others still run. Writes OUT/bench.json after each section and OUT/anatomy.json."""
+    results = {"package": package_info(root), "model": model}
+    ctx = {"model": model}
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    for name in sections:
         # What the sections before left (HF models, logits) is collected and what lives on is frozen, as `call`
         # and `serve` freeze start-up's heap, so that no collection of it lands in a timed step.
+        gc.unfreeze()
         gc.collect()
         gc.freeze()
         t = time.perf_counter()
         try:
-            results[name] = globals()[f"section_{name}"](ctx)
+            results[name] = SECTIONS[name](ctx)
         except Exception as e:  # keep the other sections' results
             import traceback
 
@@ -580,13 +667,86 @@ def main(argv: list[str] | None = None):
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         results[name + "_seconds"] = time.perf_counter() - t
         print(f"[{name}] {time.perf_counter() - t:.1f} s", flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1, default=str))
-    if "anatomy" in ctx and args.out:
-        Path(args.out).with_name("anatomy_h200.json").write_text(ctx["anatomy"].to_json(indent=1))
-    if not args.out:
+        if out:
+            (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+    if "anatomy" in ctx and out:
+        (out / "anatomy.json").write_text(ctx["anatomy"].to_json(indent=1))
+    if not out:
         print(json.dumps(results, indent=1, default=str))
     print(render_tables(results))
+    return results
+
+
+def child_command(root: Path, model: str, sections: list[str], out: Path) -> tuple[list[str], dict]:
+    """The command and environment that run the sections for the checkout at root in a process of their own."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    return ([sys.executable, str(Path(__file__).resolve()), "--package", str(root), "--model", model,
+             "--sections", ",".join(sections), "--out", str(out)], env)
+
+
+def compare_checkouts(current: Path, baseline: Path, model: str, sections: list[str], rounds: int, out: Path,
+                      run=subprocess.run) -> list[dict]:
+    """The sections for this checkout and the baseline, each run in a child process on the same GPU, `rounds`
+    times with the order alternating (this checkout first in odd rounds); then both side by side. `run` runs a
+    child (subprocess.run's signature)."""
+    roots, runs = {"current": current, "baseline": baseline}, {"current": [], "baseline": []}
+    for r in range(1, rounds + 1):
+        for side in ("current", "baseline") if r % 2 else ("baseline", "current"):
+            directory = out / f"{side}-{r}"
+            command, env = child_command(roots[side], model, sections, directory)
+            print(f"[{side}, round {r} of {rounds}] {roots[side]}", flush=True)
+            done = run(command, env=env)
+            if done.returncode != 0:
+                sys.exit(f"bench_h200.py: error: the {side} run ({roots[side]}) failed with exit status "
+                         f"{done.returncode}; its output is above")
+            runs[side].append(json.loads((directory / "bench.json").read_text()))
+    rows = comparison_rows(runs["baseline"], runs["current"])
+    table = render_comparison(rows, rounds)
+    (out / "comparison.json").write_text(json.dumps(
+        {"baseline": [r["package"] for r in runs["baseline"]], "current": [r["package"] for r in runs["current"]],
+         "model": model, "sections": sections, "rounds": rounds, "rows": rows, "table": table}, indent=1))
+    print(f"\nbaseline: {baseline}\nthis checkout: {current}\n{table}")
+    return rows
+
+
+def parse_args(argv: list[str] | None):
+    parser = Parser(description="this engine against HF transformers and the device's ceilings; with --baseline, "
+                                "against another checkout in the same run")
+    parser.add_argument("--model", default="Qwen/Qwen3-8B")
+    parser.add_argument("--sections", type=names_from(ALL, "section"), default=ALL,
+                        help=f"comma-separated, of {','.join(ALL)} (default: all)")
+    parser.add_argument("--out", type=output_dir, help="a directory for the results (JSON)")
+    parser.add_argument("--package", type=checkout, default=THIS_CHECKOUT,
+                        help="the checkout whose llm_anatomy is measured (default: the one holding this script)")
+    parser.add_argument("--baseline", type=checkout, help="another checkout, measured beside --package")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="with --baseline: how many times each checkout runs, the order alternating")
+    args = parser.parse_args(argv)
+    if args.rounds > 1 and args.baseline is None:
+        parser.error("--rounds alternates runs of two checkouts: give --baseline too")
+    if args.baseline is not None and args.baseline == args.package:
+        parser.error(f"--baseline is the checkout being measured ({args.package}); give another checkout")
+    return parser, args
+
+
+def main(argv: list[str] | None = None):
+    parser, args = parse_args(argv)
+    import_package(args.package)
+    from llm_anatomy.errors import AnatomyError
+    from llm_anatomy.hub import resolve
+
+    try:
+        resolve(args.model)  # an unknown model is refused now, not after the first section
+    except AnatomyError as e:
+        parser.error(str(e))
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU, and this machine has none")
+    if args.baseline is None:
+        return run_sections(args.package, args.model, args.sections, args.out)
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench_h200-"))
+    out.mkdir(parents=True, exist_ok=True)
+    return compare_checkouts(args.package, args.baseline, args.model, args.sections, args.rounds, out)
 
 
 if __name__ == "__main__":

@@ -1,151 +1,163 @@
-"""Issue 2 on the GPU: Qwen3-8B with synthetic bf16 weights, against HF transformers given the same weights.
+"""Parity with HF transformers: the engine's greedy decode against HF's Qwen3 holding the very same weights.
 
-Checks: load time; memory after load against weights + the KV pool asked for; logits of a 512-token prefill and
-of 64 greedy decode steps against HF's bf16 model (and both against an fp32 copy, for scale).
+For each case (a random prompt of P tokens, then D greedy tokens), the engine generates through its public API
+with log-probabilities; HF then reads the prompt and the engine's tokens in one teacher-forced forward, in the
+engine's dtype and in float32. Reported per case: how often the engine's token is HF's argmax, and how far the
+engine's log-probabilities (of its token and of its 20 most likely ones) are from each of HF's, beside HF's own
+distance between its dtype and float32 (the rounding any implementation in that dtype has).
 
-    python benchmarks/check_core.py --model Qwen/Qwen3-8B --out $OUT/check_core.json
+    python benchmarks/check_core.py --out $OUT/check_core.json                 # Qwen3-8B, synthetic, bf16
+    python benchmarks/check_core.py --model Qwen/Qwen3-0.6B --device cpu --dtype float32 --cases 64:16
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from llm_anatomy import Engine
-from llm_anatomy.models.attention import AttentionBatch
-from llm_anatomy.models.loader import hf_state_dict
+from bench_args import Parser, output_file, positive_int
+
+TOP = 20  # the most log-probabilities an OpenAI request may ask for (top_logprobs)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, min(151643, vocab), (n,), generator=g).tolist()  # below Qwen's special tokens
 
 
-def hf_model(engine: Engine, dtype: torch.dtype):
-    """HF's Qwen3ForCausalLM holding a copy of the engine's weights."""
+def hf_model(engine, dtype: torch.dtype, device: torch.device):
+    """HF's causal LM for the engine's config, holding a copy of the engine's weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llm_anatomy.models.loader import hf_state_dict
 
     config = AutoConfig.for_model(**{k: v for k, v in engine.config.to_hf().items() if k != "architectures"})
     config._attn_implementation = "sdpa"
-    with torch.device(engine.device):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = hf_state_dict(engine.model)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    state = {k: v.to(dtype) for k, v in hf_state_dict(engine.model).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return model.eval()
 
 
-@torch.inference_mode()
-def main():
-    parser = argparse.ArgumentParser()
+def logprob_errors(ours: list, tokens: list[int], ref: torch.Tensor) -> dict:
+    """Log-probabilities as GenerationResult holds them (per output token: its token's, and the top ones as
+    (id, value) pairs) against a reference's [tokens, vocab] log-probabilities at the same positions."""
+    chosen = [abs(lp - ref[i, t].item()) for i, ((lp, _), t) in enumerate(zip(ours, tokens))]
+    top = [abs(v - ref[i, t].item()) for i, (_, alternatives) in enumerate(ours) for t, v in alternatives]
+    return {"chosen_logprob_abs_err_mean": sum(chosen) / len(chosen), "chosen_logprob_abs_err_max": max(chosen),
+            f"top{TOP}_logprob_abs_err_max": max(top)}
+
+
+def as_generated(logprobs: torch.Tensor) -> tuple[list[int], list]:
+    """A reference's greedy tokens and their log-probabilities in GenerationResult's form."""
+    values, ids = logprobs.topk(min(TOP, logprobs.shape[-1]), dim=-1)
+    tokens = ids[:, 0].tolist()
+    return tokens, [(v[0], list(zip(i, v))) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def reference_logprobs(engine, dtype: torch.dtype, device: torch.device, prompt: list[int], output: list[int]):
+    """HF's log-probabilities for each output position, teacher-forced on the engine's tokens."""
+    model = hf_model(engine, dtype, device)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + output[:-1]], device=device)
+        logits = model(ids, logits_to_keep=len(output)).logits[0]
+    logprobs = logits.float().log_softmax(-1).cpu()
+    del model, logits
+    gc.collect()  # the model's memory back before the next one loads, whatever cycles it holds
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return logprobs
+
+
+def parity(engine, dtype: torch.dtype, device: torch.device, prompt_tokens: int, decode_steps: int,
+           seed: int = 7) -> dict:
+    """One case: the engine's greedy decode against HF in `dtype` and in float32 (one HF model at a time)."""
+    prompt = prompt_ids(prompt_tokens, engine.config.vocab_size, seed)
+    result = engine.generate(prompt_token_ids=prompt, max_tokens=decode_steps, temperature=0, ignore_eos=True,
+                             logprobs=TOP)
+    output = result.output_token_ids
+    refs = {"hf": reference_logprobs(engine, dtype, device, prompt, output)}
+    if dtype != torch.float32:
+        refs["fp32"] = reference_logprobs(engine, torch.float32, device, prompt, output)
+    out = {"prompt_tokens": prompt_tokens, "output_tokens": len(output),
+           "argmax_agreement_with_hf": sum(t == int(refs["hf"][i].argmax()) for i, t in enumerate(output))
+           / len(output)}
+    for name, ref in refs.items():
+        out[f"vs_{name}"] = logprob_errors(result.logprobs, output, ref)
+    if "fp32" in refs:  # the rounding of HF's own implementation in this dtype, for scale
+        hf_tokens, hf_logprobs = as_generated(refs["hf"])
+        out["hf_vs_fp32"] = logprob_errors(hf_logprobs, hf_tokens, refs["fp32"])
+    return out
+
+
+def cases(text: str) -> list[tuple[int, int]]:
+    """PROMPT:STEPS,... e.g. 512:64,16384:16"""
+    out = []
+    for part in text.split(","):
+        prompt, _, steps = part.partition(":")
+        if not (prompt.isdigit() and steps.isdigit() and int(prompt) > 0 and int(steps) > 0):
+            raise argparse.ArgumentTypeError(f"want PROMPT:STEPS pairs of positive whole numbers, e.g. "
+                                             f"512:64,16384:16, got {text!r}")
+        out.append((int(prompt), int(steps)))
+    return out
+
+
+def parse_args(argv: list[str] | None):
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="Qwen/Qwen3-8B")
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--decode", type=int, default=64)
-    parser.add_argument("--kv-tokens", type=int, default=65536)
+    parser.add_argument("--weights", default="synthetic", help="auto, synthetic (default) or a directory")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
-    results: dict = {"date": time.strftime("%Y-%m-%d"),
-                     "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-                     "torch": torch.__version__, "python": platform.python_version()}
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--cases", type=cases, default=[(512, 64), (16384, 16)],
+                        help="PROMPT:STEPS,... (default 512:64,16384:16)")
+    parser.add_argument("--kv-cache-tokens", type=positive_int, default=None,
+                        help="KV pool size (default: the longest case)")
+    parser.add_argument("--out", type=output_file, help="write the results as JSON to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's llm_anatomy
+    from llm_anatomy import Engine
+    from llm_anatomy.errors import AnatomyError
+
+    longest = max(p + s for p, s in args.cases)
+    try:
+        started = time.perf_counter()
+        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, weights=args.weights,
+                                        kv_cache_tokens=args.kv_cache_tokens or longest + 64)
+        load_s = time.perf_counter() - started
+        for prompt, steps in args.cases:  # every case checked before the first one runs
+            engine.check_request(prompt_ids(prompt, engine.config.vocab_size, 0),
+                                 engine.sampling_params(max_tokens=steps, temperature=0, ignore_eos=True))
+    except AnatomyError as e:  # a model, device or length this engine refuses
+        print(f"check_core.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     import transformers
-    results["transformers"] = transformers.__version__
 
-    if cuda:
-        torch.cuda.synchronize()
-        free_before, total = torch.cuda.mem_get_info()
-    t0 = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, device=dev, dtype="bfloat16", weights="synthetic",
-                                    kv_cache_tokens=args.kv_tokens)
-    results["load_s"] = time.perf_counter() - t0
-    results["init_weights_s"] = engine.weights.load_seconds
-    weights, pool = engine.weights.bytes, engine.pool.total_bytes
-    results.update(weight_bytes=weights, kv_pool_bytes=pool, kv_tokens=engine.pool.capacity_tokens,
-                   params=engine.weights.num_parameters)
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        free_after, _ = torch.cuda.mem_get_info()
-        results.update(allocated_after_load=torch.cuda.memory_allocated(), peak_after_load=peak,
-                       reserved_after_load=torch.cuda.memory_reserved(),
-                       device_used_by_load=free_before - free_after,
-                       peak_over_weights_plus_pool=peak / (weights + pool) - 1)
-
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, min(151643, engine.config.vocab_size), (args.prefill,), generator=gen).tolist()
-    seq = engine.add_request(prompt, engine.sampling_params(temperature=0, max_tokens=args.decode + 1,
-                                                            ignore_eos=True))
-    step_logits = []
-    run = engine.runner.run
-
-    def recording(batch, ahead=None):
-        logits = run(batch, ahead)
-        step_logits.append(logits[0].clone())
-        return logits
-
-    engine.runner.run = recording
-    # Prefill: all positions' logits, through the same paged path the engine uses.
-    engine.step()
-    pool_ = engine.pool
-    slots = seq.block_table.slots(0, args.prefill).to(dev)
-    batch = AttentionBatch(pool_.k, pool_.v, slots, True,
-                           torch.tensor([seq.block_table.blocks], dtype=torch.int32, device=dev),
-                           torch.tensor([args.prefill], dtype=torch.int32, device=dev), (args.prefill,), (0,))
-    ours_prefill = engine.model.compute_logits(engine.model(torch.tensor(prompt, device=dev),
-                                                            torch.arange(args.prefill, device=dev), batch))
-    while not seq.finished:
-        engine.step()
-    tokens = prompt + seq.output_token_ids
-    ours_decode = torch.stack(step_logits[1:args.decode + 1])  # logits that chose output tokens 1..decode
-
-    ref = {}
-    for name, dtype in (("hf_bf16", torch.bfloat16), ("hf_fp32", torch.float32)):
-        model = hf_model(engine, dtype)
-        logits = model(torch.tensor([tokens], device=dev)).logits[0].float()
-        ref[name] = (logits[: args.prefill], logits[args.prefill: args.prefill + args.decode])
-        # HF's own greedy continuation in bf16, for agreement counting
-        del model
-        if cuda:
-            torch.cuda.empty_cache()
-    results["prefill_rel_err_vs_hf_bf16"] = rel(ours_prefill, ref["hf_bf16"][0])
-    results["decode_rel_err_vs_hf_bf16"] = rel(ours_decode, ref["hf_bf16"][1])
-    results["decode_rel_err_max_step_vs_hf_bf16"] = max(rel(a, b) for a, b in zip(ours_decode, ref["hf_bf16"][1]))
-    results["prefill_rel_err_vs_fp32"] = rel(ours_prefill, ref["hf_fp32"][0])
-    results["hf_bf16_prefill_rel_err_vs_fp32"] = rel(ref["hf_bf16"][0], ref["hf_fp32"][0])
-    results["decode_rel_err_vs_fp32"] = rel(ours_decode, ref["hf_fp32"][1])
-    results["hf_bf16_decode_rel_err_vs_fp32"] = rel(ref["hf_bf16"][1], ref["hf_fp32"][1])
-    results["greedy_agreement_with_hf_bf16"] = float(
-        (ours_decode.argmax(-1) == ref["hf_bf16"][1].argmax(-1)).float().mean())
-
-    # Baseline timings of this (eager, un-graphed) engine: prefill and decode steps, host-timed with syncs.
-    def timed_step():
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t) * 1e3
-
-    for n in [n for n in (128, 2048, 8192) if n + 33 <= engine.max_model_len]:
-        ids = torch.randint(0, min(151643, engine.config.vocab_size), (n,), generator=gen).tolist()
-        s = engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=33, ignore_eos=True))
-        results[f"eager_prefill_{n}_ms"] = timed_step()
-        steps = [timed_step() for _ in range(32)]
-        results[f"eager_decode_ctx{n}_median_ms"] = sorted(steps)[16]
-        assert s.finished
-
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    results = {"date": time.strftime("%Y-%m-%d"), "model": args.model, "weights": args.weights, "dtype": args.dtype,
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+               "torch": torch.__version__, "transformers": transformers.__version__,
+               "python": platform.python_version(), "load_s": load_s, "cases": {}}
+    for prompt, steps in args.cases:
+        results["cases"][f"{prompt}+{steps}"] = parity(engine, dtype, device, prompt, steps)
+    text = json.dumps(results, indent=1)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-    print(f"\n== issue 2 core check: {args.model}, synthetic bf16, {results['device']} ==")
-    for k, v in results.items():
-        print(f"{k:40s} {v:.6g}" if isinstance(v, float) else f"{k:40s} {v}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text)
+    return results
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ from pathlib import Path
 
 import httpx
 
+from bench_args import Parser, output_file, positive_int, positive_ints
+
+THIS_CHECKOUT = Path(__file__).resolve().parents[1]
+
 
 def pct(values: list[float], q: float) -> float | None:
     if not values:
@@ -127,7 +131,9 @@ def start_server(model: str, port: int, run_dir: Path, max_num_seqs: int, log: P
                  ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "llm_anatomy.cli", "serve", model, "--weights", "synthetic", "--port", str(port),
            "--run-dir", str(run_dir), "--max-num-seqs", str(max_num_seqs), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(THIS_CHECKOUT), os.environ.get("PYTHONPATH"))
+                                                       if p)}
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -150,17 +156,32 @@ def metric(url: str, name: str) -> float | None:
 
 
 def server_view(url: str, records: list[dict]) -> dict:
-    anatomies = [httpx.get(f"{url}/v1/anatomy/{r['anatomy_id']}", timeout=60).json() for r in records]
+    """What the calls' own anatomies say, from those the server still holds (its store keeps the latest ones: at
+    many streams the first calls of a level may have been rotated out)."""
+    anatomies, missing = [], 0
+    for r in records:
+        response = httpx.get(f"{url}/v1/anatomy/{r['anatomy_id']}", timeout=60)
+        if response.status_code == 404:
+            missing += 1
+            continue
+        response.raise_for_status()
+        anatomies.append(response.json())
+    return {"anatomies": len(anatomies), "anatomies_missing": missing, **summarize_anatomies(anatomies)}
+
+
+def summarize_anatomies(anatomies: list[dict]) -> dict:
+    """Medians (and some means) over a level's anatomies: phases, prefill and decode steps, batching."""
+    if not anatomies:
+        return {}
     batch = [s["batch_size"] for a in anatomies for s in a["decode_steps"]]
+    names = ("parse", "template", "tokenize", "queue", "prefill", "decode")
 
     def phase(a, name):
         return next((p["end_ms"] - p["start_ms"] for p in a["phases"] if p["name"] == name), 0.0)
 
     return {
-        "phases_ms_p50": {name: pct([phase(a, name) for a in anatomies], 50)
-                          for name in ("parse", "template", "tokenize", "queue", "prefill", "decode")},
-        "phases_ms_p90": {name: pct([phase(a, name) for a in anatomies], 90)
-                          for name in ("parse", "template", "tokenize", "queue", "prefill", "decode")},
+        "phases_ms_p50": {name: pct([phase(a, name) for a in anatomies], 50) for name in names},
+        "phases_ms_p90": {name: pct([phase(a, name) for a in anatomies], 90) for name in names},
         "prefill_batch_mean": statistics.mean(a["prefill"]["batch_size"] for a in anatomies),
         "prefill_gpu_ms_p50": pct([a["prefill"]["ms"] for a in anatomies], 50),
         "host_ms_per_step_p50": pct([s["host_ms"] for a in anatomies for s in a["decode_steps"]], 50),
@@ -179,20 +200,66 @@ def server_view(url: str, records: list[dict]) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def render_levels(result: dict) -> str:
+    """The sweep's table (markdown) and what the server said after it."""
+    def fixed(value, digits: int) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [f"{result['model']}, {result['prompt_tokens']} prompt / {result['output_tokens']} output tokens, "
+             f"{result.get('device')}; server start {result['server_start_s']:.0f} s",
+             "| streams | output tok/s | bare engine tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
+             "ITL p99 ms | mean batch | J/token | all tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for lv in result["levels"]:
+        t, p = lv["ttft_ms"], lv["tpot_ms"]
+        lines.append(
+            f"| {lv['concurrency']} | {lv['output_tok_s']:.0f} | {fixed(lv['bare_engine_tok_s'], 0)} | "
+            f"{' / '.join(fixed(t[q], 1) for q in (50, 90, 99))} | "
+            f"{' / '.join(fixed(p[q], 2) for q in (50, 90, 99))} | "
+            f"{fixed(lv['itl_ms'][99], 2)} | {fixed(lv['server'].get('mean_batch'), 1)} | "
+            f"{fixed(lv['joules_per_output_token'], 3)} | {lv['all_tokens']} |")
+    build = result.get("anatomy_build_ms_mean")
+    lines += [f"anatomy build (off the engine thread): {fixed(build, 1)} ms per call on average",
+              f"after the sweep: KV cache usage {result.get('kv_cache_usage_after')}, running "
+              f"{result.get('running_after')}, server exit status {result.get('server_exit')}"]
+    return "\n".join(lines)
+
+
+def port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"want a TCP port, 1..65535, got {text!r}")
+    return int(text)
+
+
+def parse_args(argv: list[str] | None):
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen/Qwen3-8B")
-    ap.add_argument("--levels", default="1,4,16,64")
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--output-tokens", type=int, default=256)
-    ap.add_argument("--waves", type=int, default=2, help="requests per stream at each level (default 2)")
-    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--levels", type=positive_ints, default=[1, 4, 16, 64],
+                    help="concurrent streams at each level, comma-separated (default 1,4,16,64)")
+    ap.add_argument("--prompt-tokens", type=positive_int, default=512)
+    ap.add_argument("--output-tokens", type=positive_int, default=256)
+    ap.add_argument("--waves", type=positive_int, default=2, help="requests per stream at each level (default 2)")
+    ap.add_argument("--port", type=port, default=8123)
     ap.add_argument("--no-baseline", action="store_true", help="skip the bare-engine comparison")
-    ap.add_argument("--max-num-batched-tokens", type=int, help="passed to the server (default: its own)")
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, help="passed to the server (default: its own)")
     ap.add_argument("--mixed-steps", action="store_true", help="passed to the server")
-    ap.add_argument("--out", type=Path, default=Path("serve_sweep.json"))
-    args = ap.parse_args()
-    levels = [int(x) for x in args.levels.split(",")]
+    ap.add_argument("--out", type=output_file, default=Path("serve_sweep.json"),
+                    help="the results (JSON); the server's log and run directory go beside it")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(THIS_CHECKOUT))  # this checkout's llm_anatomy, as the server it starts runs it
+    from llm_anatomy.errors import AnatomyError
+    from llm_anatomy.hub import resolve
+
+    try:
+        resolve(args.model)
+    except AnatomyError as e:
+        ap.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    levels = args.levels
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv), "model": args.model,
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "levels": []}
@@ -245,21 +312,7 @@ def main() -> None:
         result["server_exit"] = proc.wait(120)
     args.out.write_text(json.dumps(result, indent=1))
 
-    print(f"\n{args.model}, {args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
-          f"{result.get('device')}; server start {result['server_start_s']:.0f} s")
-    print("| streams | output tok/s | bare engine tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
-          "ITL p99 ms | mean batch | J/token | all tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for lv in result["levels"]:
-        t, p, s = lv["ttft_ms"], lv["tpot_ms"], lv["server"]
-        bare = f"{lv['bare_engine_tok_s']:.0f}" if lv["bare_engine_tok_s"] else "-"
-        joules = f"{lv['joules_per_output_token']:.3f}" if lv["joules_per_output_token"] else "-"
-        print(f"| {lv['concurrency']} | {lv['output_tok_s']:.0f} | {bare} | {t[50]:.1f} / {t[90]:.1f} / {t[99]:.1f} | "
-              f"{p[50]:.2f} / {p[90]:.2f} / {p[99]:.2f} | {lv['itl_ms'][99]:.2f} | {s['mean_batch']:.1f} | {joules} | "
-              f"{lv['all_tokens']} |")
-    print(f"anatomy build (off the engine thread): {result['anatomy_build_ms_mean']:.1f} ms per call on average")
-    print(f"after the sweep: KV cache usage {result['kv_cache_usage_after']}, running {result['running_after']}, "
-          f"server exit status {result['server_exit']}")
+    print("\n" + render_levels(result))
 
 
 if __name__ == "__main__":

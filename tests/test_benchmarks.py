@@ -1,56 +1,69 @@
-"""The H200 benchmark scripts' parts that need no GPU: the summary table, rendered from a results dict like the
-one bench_h200.py writes, the probes' argument checks, and their kernels' correctness (under Triton's
-interpreter)."""
+"""The benchmark scripts' parts that need no GPU: their argument checks, their tables, bench_h200's --baseline
+plumbing (with a fake child process), the serve sweep's summary of anatomies, and check_core's parity against
+HF transformers on a tiny model."""
 
 import importlib.util
+import json
+import os
+import re
 from pathlib import Path
-
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 
 
 @pytest.fixture
-def kernel_device():
-    """The device the Triton kernels run on here (CUDA, or the CPU under TRITON_INTERPRET=1), else a skip."""
-    pytest.importorskip("triton")
-    from llm_anatomy.kernels import use_kernels
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not use_kernels(device):
-        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
-    return device
-
-
-@pytest.fixture
-def probes(monkeypatch):
-    """Loads a benchmarks/ script that imports its sibling scripts (bench_h200, ...)."""
+def scripts(monkeypatch):
+    """Loads a benchmarks/ script as its own module; the scripts import their siblings (bench_args, check_core),
+    and sys.path is restored after the test."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return load_bench
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
-def load_bench(name: str = "bench_h200"):
-    path = BENCHMARKS / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def refused(main, argv, capsys) -> str:
+    """The one line a script prints on stderr when it refuses argv (exit status 2)."""
+    capsys.readouterr()  # what fixtures printed
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, (argv, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
 
 
-def test_render_tables_targets_ratios_and_protocol():
-    bench = load_bench()
+# ---- bench_h200.py ---------------------------------------------------------------------------------------------
+def bench_results(tpot=4.0, rested=44.0, overhead=0.001, sections=("ours", "hf", "overhead", "protocol")) -> dict:
     results = {
-        "ours": {"decode_ctx512": {"tpot_ms": 4.0, "floor_ms": 3.0}, "decode_ctx32k": {"tpot_ms": 6.0, "floor_ms": 4.5},
+        "ours": {"decode_ctx512": {"tpot_ms": tpot, "floor_ms": 3.0, "decode_step_ms_median": tpot - 0.01},
+                 "decode_ctx32k": {"tpot_ms": 6.0, "floor_ms": 4.5}, "prefill_128_ms": 6.0,
                  "prefill_2048_ms": 50.0, "prefill_2048_floor_ms": 40.0, "prefill_8192_ms": 190.0,
-                 "prefill_8192_floor_ms": 171.0, "ttft_chat_prompt": {"ttft_ms": 9.0}},
-        "hf": {"decode_step_ms_median": 40.0, "prefill_128_ms": 30.0, "prefill_2048_ms": 75.0, "prefill_8192_ms": 285.0},
-        "overhead": {"overhead": 0.001},
+                 "prefill_8192_floor_ms": 171.0, "prefill_2048_rested_ms": rested, "ttft_chat_prompt": {"ttft_ms": 9.0},
+                 "load_s": 17.5},
+        "hf": {"decode_step_ms_median": 40.0, "prefill_128_ms": 30.0, "prefill_2048_ms": 75.0,
+               "prefill_8192_ms": 285.0},
+        "overhead": {"overhead": overhead},
         "protocol": {"30720": {"ours": {"tok_s": 2400.0, "peak_mib": 24767.0},
                                "hf_extrapolated": {"tok_s": 430.0, "decode_step_s_median": 0.036},
                                "published_h20_sglang_tok_s": 832.67, "published_h20_transformers_tok_s": 208.98}},
     }
+    return {k: v for k, v in results.items() if k in sections}
+
+
+def test_render_tables_targets_ratios_and_protocol(scripts):
+    bench = scripts("bench_h200")
+    results = bench_results()
+    del results["ours"]["prefill_2048_rested_ms"]  # as results written before the rested prefill was timed
     lines = bench.render_tables(results).splitlines()
     row = {line.split(" | ")[0].lstrip("| "): line for line in lines}
     assert row["decode TPOT, context <= 512"].endswith("| 4.00 ms | 40.00 ms | 10.00x | 3.00 ms | 75% | yes |")
@@ -58,10 +71,9 @@ def test_render_tables_targets_ratios_and_protocol():
     assert row["decode TPOT at 32k context"].endswith("| no |")
     assert row["prefill, 2048 tokens, back to back"].endswith("| 1.50x | 40.00 ms | 80% | no |")
     assert row["prefill, 8192 tokens, back to back"].endswith("| yes |")
-    assert "prefill, 2048 tokens, each after 1 s idle (a call on a rested GPU)" not in row  # a run without it
+    assert "prefill, 2048 tokens, each after 1 s idle (a call on a rested GPU)" not in row
     results["ours"] |= {"prefill_2048_rested_ms": 44.0}
-    row = {line.split(" | ")[0].lstrip("| "): line
-           for line in bench.render_tables(results).splitlines()}
+    row = {line.split(" | ")[0].lstrip("| "): line for line in bench.render_tables(results).splitlines()}
     assert row["prefill, 2048 tokens, each after 1 s idle (a call on a rested GPU)"].endswith(
         "| 44.00 ms |  |  | 40.00 ms | 91% | yes |")
     assert row["TTFT, chat prompt (HF: a 128-token prefill alone)"].endswith("| no |")
@@ -75,156 +87,123 @@ def test_render_tables_targets_ratios_and_protocol():
         "680 TFLOP/s after the first 1 s) the back-to-back prefills' floors are 44.00 ms (2048 tokens, this engine "
         "at 88%) and 171.00 ms (8192 tokens, this engine at 90%).")]
     assert bench.render_tables({}) == "(no section with a target ran)"
+    failed = {name: {"error": "RuntimeError: CUDA out of memory"} for name in ("ours", "hf", "protocol", "overhead")}
+    assert bench.render_tables(failed) == "(no section with a target ran)"
 
 
-def test_splitk_gemv_candidate_is_exact_and_leaves_its_counters_at_zero(kernel_device):
-    device = kernel_device
-    probe = load_bench("probe_gemv_splitk")
-    errors = probe.check(device, torch.float32, {"small": (96, 1024)}, [(2, 16, 128, 3), (4, 32, 256, 3)])
-    assert max(errors.values()) < 1e-4, errors  # run twice each: a counter left non-zero would corrupt the second
-    assert all(int(c.abs().sum()) == 0 for c in probe._COUNTERS.values())
+@pytest.mark.parametrize("argv, message", [
+    (["--sections", "ours,nope"], "unknown section nope; pick from env,"),
+    (["--sections", ","], "unknown section (none given)"),
+    (["--rounds", "0"], "argument --rounds: want a positive whole number, got '0'"),
+    (["--rounds", "2"], "--rounds alternates runs of two checkouts: give --baseline too"),
+    (["--baseline", "/nonexistent/checkout"], "argument --baseline: no such directory: /nonexistent/checkout"),
+    (["--baseline", str(BENCHMARKS)], "holds no llm_anatomy package; make one with `git worktree add"),
+    (["--baseline", str(ROOT)], "--baseline is the checkout being measured"),
+    (["--package", str(BENCHMARKS)], "argument --package:"),
+    (["--out", "bench.json"], "argument --out: want a directory"),
+    (["--out", str(BENCHMARKS / "bench_h200.py")], "argument --out: want a directory"),
+    (["--model", "nope"], "unknown model 'nope'"),
+])
+def test_bench_refuses_bad_input_with_one_line(scripts, capsys, argv, message):
+    assert message in refused(scripts("bench_h200").main, argv, capsys)
 
 
-def test_bad_sections_and_lengths_are_refused_before_any_work(capsys, probes):
-    bench = load_bench()
-    for argv, message in ((["--sections", "ours,nope"], "unknown section nope"),
-                          (["--sections", ","], "unknown section (none given)")):
-        with pytest.raises(SystemExit) as e:
-            bench.main(argv)
-        assert e.value.code == 2 and message in capsys.readouterr().err
-    assert bench.section_list("env,ours") == ["env", "ours"]
-    probe = probes("probe_new_length")
-    for bad in ("10,x", "0", ""):
-        with pytest.raises(SystemExit) as e:
-            probe.main(["--lengths", bad])
-        assert e.value.code == 2 and "positive token counts" in capsys.readouterr().err
-    assert probe.prompt_lengths("1025,3001") == [1025, 3001]
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_bench_refuses_a_machine_without_a_gpu_before_any_work(scripts, capsys, tmp_path):
+    err = refused(scripts("bench_h200").main, ["--sections", "env", "--out", str(tmp_path / "out")], capsys)
+    assert "needs a CUDA GPU" in err and not (tmp_path / "out").exists()
 
 
-def test_decode_probes_refuse_bad_arguments_before_any_work(capsys, probes):
-    pytest.importorskip("triton")
-    parts, attention = probes("probe_decode_parts"), probes("probe_decode_attention")
-    overlap, blas = probes("probe_gemv_overlap"), probes("probe_blas")
-    persistent, fused, spacer = probes("probe_persistent_mlp"), probes("probe_fused_mlp"), probes("probe_spacer")
-    layout, stream_mlp, step = probes("probe_kv_layout"), probes("probe_stream_mlp"), probes("probe_decode_step")
-    early, prefill_gemm = probes("probe_early_launch"), probes("probe_prefill_gemm")
-    fusions, gaps = probes("probe_prefill_fusions"), probes("probe_prefill_gaps")
-    stream = probes("probe_stream_gemv")
-    for main, argv, message in (
-            (stream.main, ["--sections", "step,nope"], "unknown section nope"),
-            (stream.main, ["--variants", "engine,nope"], "unknown variant nope"),
-            (stream.main, ["--contexts", "1000"], "unknown context 1000"),
-            (stream.main, ["--splits", "33,0"], "want a positive whole number, got '0'"),
-            (stream.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
-            (gaps.main, ["--sustained-lengths", "2048,0"], "positive token counts"),
-            (gaps.main, ["--lengths", "2k"], "positive token counts"),
-            (fusions.main, ["--sections", "residual,qkv"], "unknown section qkv"),
-            (fusions.main, ["--eager", "2048"], "unknown token count 2048"),
-            (early.main, ["--variants", "gemv,nope"], "unknown variant nope"),
-            (early.main, ["--contexts", "1000"], "unknown context 1000; pick from 512,32768"),
-            (prefill_gemm.main, ["--tokens", "3000"], "unknown token count 3000"),
-            (prefill_gemm.main, ["--parts", "qkv,lm_head"], "unknown part lm_head"),
-            (prefill_gemm.main, ["--engine-tokens", "512"], "unknown token count 512"),
-            (step.main, ["--contexts", "512,40000"], "at most 33280 tokens"),
-            (step.main, ["--contexts", "0"], "positive token counts"),
-            (step.main, ["--skips", "1,4"], "unknown skip 4; pick from 1,2,3"),
-            (step.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
-            (persistent.main, ["--layers", "0"], "want a positive whole number, got '0'"),
-            (stream_mlp.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
-            (layout.main, ["--tiles", "engine,nope"], "unknown tile nope"),
-            (fused.main, ["--layers", "-1"], "want a positive whole number, got '-1'"),
-            (spacer.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
-            (layout.main, ["--rounds", "x"], "want a positive whole number, got 'x'"),
-            (overlap.main, ["--sections", "chain,nope"], "unknown section nope"),
-            (blas.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
-            (parts.main, ["--parts", "tiles,nope"], "unknown part nope; pick from knockout,tiles,prefill"),
-            (parts.main, ["--rounds", "0"], "want a positive whole number, got '0'"),
-            (attention.main, ["--variants", "engine,bn999"], "unknown variant bn999"),
-            (attention.main, ["--contexts", "512,x"], "positive token counts"),
-            (attention.main, ["--contexts", "40000"], "at most 36864 tokens")):
-        with pytest.raises(SystemExit) as e:
-            main(argv)
-        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+def test_headline_comparison_and_its_table(scripts):
+    bench = scripts("bench_h200")
+    baseline = [bench_results(tpot=4.0, overhead=0.001), bench_results(tpot=4.2, overhead=0.003)]
+    current = [bench_results(tpot=3.9, overhead=0.002, sections=("ours", "overhead"))] * 2
+    baseline[1]["ours"]["prefill_2048_rested_ms"] = 44.0  # the same in both rounds: no range shown
+    current[0] = {**current[0], "hf": {"error": "RuntimeError: out of memory"}}
+    rows = {r["figure"]: r for r in bench.comparison_rows(baseline, current)}
+    tpot = rows["decode TPOT, context <= 512"]
+    assert (tpot["unit"], tpot["baseline"], tpot["current"]) == ("ms", 4.1, 3.9)
+    assert tpot["baseline_range"] == (4.0, 4.2) and tpot["change"] == pytest.approx(3.9 / 4.1 - 1)
+    overhead = rows["anatomy on vs off, of TPOT"]
+    assert overhead["unit"] == "%" and overhead["change"] == pytest.approx(0.0)  # points: 0.2 against 0.2
+    hf = rows["HF: prefill, 2048 tokens"]  # only the baseline ran HF; the current run's failed
+    assert hf["baseline"] == 75.0 and hf["current"] is None and hf["change"] is None
+    assert "Qwen's protocol, input 30720" in rows and "TTFT, chat prompt" in rows
+    table = bench.render_comparison(list(rows.values()), rounds=2).splitlines()
+    line = {row.split(" | ")[0].lstrip("| "): row for row in table}
+    assert line["decode TPOT, context <= 512"] == "| decode TPOT, context <= 512 | ms | 4.1 (4-4.2) | 3.9 | -4.9% |"
+    assert line["anatomy on vs off, of TPOT"].endswith("| +0.00 pt |")
+    assert line["prefill, 2048 tokens, each after 1 s idle"] == \
+        "| prefill, 2048 tokens, each after 1 s idle | ms | 44 | 44 | +0.0% |"
+    assert line["HF: prefill, 2048 tokens"] == "| HF: prefill, 2048 tokens | ms | 75 | - |  |"
+    assert line["Qwen's protocol, input 30720"].startswith("| Qwen's protocol, input 30720 | tok/s | 2,400 | - |")
+    one_round = bench.render_comparison(bench.comparison_rows(baseline[:1], current[:1]), rounds=1)
+    assert "| decode TPOT, context <= 512 | ms | 4 | 3.9 | -2.5% |" in one_round.splitlines()
 
 
-def test_early_launch_clones_compute_what_the_kernels_do_and_are_put_back(kernel_device, probes):
-    """The probe's variants swap each kernel family for a clone with gdc_enter's halves in either order (PDL is
-    off here, so the order cannot show): the norm's output is the same, and the engine's kernels return after."""
-    early = probes("probe_early_launch")
-    from llm_anatomy.kernels import gemv, norm
-
-    kernels = (norm._rmsnorm_kernel, gemv._gemv_kernel)
-    x, w = torch.randn(3, 64, device=kernel_device), torch.randn(64, device=kernel_device)
-    clones = {}
-    with early.early(["gemv"], clones):
-        assert norm._rmsnorm_kernel is clones["norm", False] and gemv._gemv_kernel is clones["gemv", True]
-        y = norm.rmsnorm(x, w, 1e-6)
-    assert (norm._rmsnorm_kernel, gemv._gemv_kernel) == kernels
-    assert torch.equal(y, norm.rmsnorm(x, w, 1e-6))
+def fake_checkout(path: Path) -> Path:
+    (path / "llm_anatomy").mkdir(parents=True)
+    (path / "llm_anatomy" / "__init__.py").write_text("")
+    return path
 
 
-def test_overlap_probes_gemv_variants_compute_the_same_product(kernel_device, probes, monkeypatch):
-    """The no-wait clone of the GEMV kernel (timing only on a GPU, where it skips the PDL wait) and the prefetch
-    variants give F.linear's product where nothing runs before them; the tiles are restored afterwards."""
-    import torch.nn.functional as F
+def test_baseline_runs_each_checkout_in_its_own_child_alternating(scripts, tmp_path, capsys):
+    """Each child is this script with --package and PYTHONPATH at its checkout; the order alternates by round;
+    the children's results end up side by side in comparison.json and on stdout."""
+    bench = scripts("bench_h200")
+    current, baseline = fake_checkout(tmp_path / "after"), fake_checkout(tmp_path / "before")
+    calls = []
 
-    from llm_anatomy.kernels import gemv as gemv_module
+    def child(command, env):
+        args = dict(zip(command[2::2], command[3::2]))
+        calls.append((Path(args["--package"]).name, env["PYTHONPATH"].split(os.pathsep)[0], args["--sections"]))
+        assert command[:2] == [bench.sys.executable, str(BENCHMARKS / "bench_h200.py")]
+        out = Path(args["--out"])
+        out.mkdir(parents=True)
+        tpot = 3.9 if args["--package"] == str(current) else 4.0
+        results = {"package": {"root": args["--package"]}, **bench_results(tpot=tpot, sections=("ours",))}
+        (out / "bench.json").write_text(json.dumps(results))
+        return SimpleNamespace(returncode=0)
 
-    device, overlap = kernel_device, probes("probe_gemv_overlap")
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(1, 1024, generator=g).to(device), torch.randn(64, 1024, generator=g).to(device)
-    key = gemv_module.tile_key(64, 1024, False, w.dtype)
-    monkeypatch.setitem(gemv_module.TILES, key, gemv_module.Tile(16, 256, 4, 3))
-    kernel = gemv_module._gemv_kernel
-    for name, variant in overlap.variants().items():
-        with variant:
-            assert (gemv_module.gemv(x, w) - F.linear(x, w)).abs().max() < 1e-3, name
-        assert gemv_module.TILES[key] == gemv_module.Tile(16, 256, 4, 3) and gemv_module._gemv_kernel is kernel
-
-
-def test_persistent_mlp_probe_kernel_matches_torch(kernel_device, probes):
-    """The persistent MLP kernel's layers, blocks and read-ahead tiles against torch (float32). Under the
-    interpreter, programs run one after another, so one program does all the work (its barriers pass at once);
-    the grid-wide barriers themselves are checked on the H200 against the engine's kernels (the probe's output)."""
-    device, probe = kernel_device, probes("probe_persistent_mlp")
-    for hidden, inter, layers, tile in (
-            (32, 96, 2, dict(bn1=16, bk1=16, bn2=32, bk2=32, pre1=2, pre2=1, warps=4, stages=3)),
-            (64, 256, 3, dict(bn1=32, bk1=32, bn2=64, bk2=64, pre1=1, pre2=2, warps=4, stages=3))):
-        assert probe.check(device, hidden, inter, layers, 1, tile) < 1e-4
-    with pytest.raises(AssertionError, match="read ahead within K"):
-        probe.check(device, 32, 96, 1, 1, dict(bn1=16, bk1=32, bn2=32, bk2=32, pre1=2, pre2=1, warps=4, stages=3))
-
-
-def test_fused_mlp_probe_kernel_matches_torch(kernel_device, probes):
-    """The fused MLP kernel (gate_up, SiLU*up and its rows of down, added into an fp32 accumulator with atomics)
-    and the norm that reads the accumulator and zeroes it, against torch (float32). On the H200 the probe also
-    compares its output with the engine's kernels: programs of 64 or more rows were wrong there (see RESULTS.md),
-    so this checks the 32-row tile the probe's numbers stand on, and a 16-row one."""
-    device, probe = kernel_device, probes("probe_fused_mlp")
-    g = torch.Generator().manual_seed(0)
-    hidden, inter = 256, 128
-    gate_up = (torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5).to(device)
-    down = (torch.randn(hidden, inter, generator=g) / inter ** 0.5).to(device)
-    x, residual = torch.randn(1, hidden, generator=g).to(device), torch.randn(1, hidden, generator=g).to(device)
-    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device)
-    gate, up = (x @ gate_up.T).chunk(2, dim=-1)
-    mlp = (torch.nn.functional.silu(gate) * up) @ down.T
-    for tile in (dict(rows=32, bk=128, bh=128, warps=4, stages=3), dict(rows=16, bk=64, bh=256, warps=2, stages=4)):
-        acc, res = torch.zeros(1, hidden, device=device), residual.clone()
-        probe.fused_mlp(x, gate_up, down.T.contiguous(), acc, tile)
-        assert ((acc - mlp).norm() / mlp.norm()).item() < 1e-5
-        out = probe.add_norm_from_acc(acc, res, weight)
-        want = torch.nn.functional.rms_norm(mlp + residual, (hidden,), weight, probe.EPS)
-        assert ((out - want).norm() / want.norm()).item() < 1e-5
-        assert torch.allclose(res, mlp + residual, atol=1e-5) and (acc == 0).all()
+    out = tmp_path / "ab"
+    out.mkdir()
+    rows = bench.compare_checkouts(current, baseline, "Qwen/Qwen3-8B", ["env", "ours"], 3, out, run=child)
+    assert calls == [("after", str(current), "env,ours"), ("before", str(baseline), "env,ours"),
+                     ("before", str(baseline), "env,ours"), ("after", str(current), "env,ours"),
+                     ("after", str(current), "env,ours"), ("before", str(baseline), "env,ours")]
+    assert sorted(p.name for p in out.iterdir()) == ["baseline-1", "baseline-2", "baseline-3", "comparison.json",
+                                                     "current-1", "current-2", "current-3"]
+    saved = json.loads((out / "comparison.json").read_text())
+    assert saved["rounds"] == 3 and [p["root"] for p in saved["baseline"]] == [str(baseline)] * 3
+    tpot = next(r for r in saved["rows"] if r["figure"] == "decode TPOT, context <= 512")
+    assert (tpot["baseline"], tpot["current"]) == (4.0, 3.9) and tpot["change"] == pytest.approx(-0.025)
+    assert "| decode TPOT, context <= 512 | ms | 4 | 3.9 | -2.5% |" in capsys.readouterr().out
+    assert [r["figure"] for r in rows] == [r["figure"] for r in saved["rows"]]
 
 
-def test_clocks_by_phase_splits_samples_at_the_early_steps():
+def test_baseline_stops_with_one_line_when_a_child_fails(scripts, tmp_path):
+    bench = scripts("bench_h200")
+    current, baseline = fake_checkout(tmp_path / "after"), fake_checkout(tmp_path / "before")
+    with pytest.raises(SystemExit, match=re.escape(f"the current run ({current}) failed with exit status 3")):
+        bench.compare_checkouts(current, baseline, "m", ["ours"], 1, tmp_path,
+                                run=lambda command, env: SimpleNamespace(returncode=3))
+
+
+def test_package_info_names_the_commit_of_a_checkout_only(scripts, tmp_path):
+    bench = scripts("bench_h200")
+    plain = bench.package_info(fake_checkout(tmp_path / "exported"))  # e.g. from git archive: no commit to name
+    assert plain == {"root": str(tmp_path / "exported"), "commit": None, "uncommitted_changes": None}
+    if (ROOT / ".git").exists():  # a clone or a worktree
+        info = bench.package_info(ROOT)
+        assert re.fullmatch(r"[0-9a-f]{40}", info["commit"]) and isinstance(info["uncommitted_changes"], bool)
+
+
+def test_clocks_by_phase_splits_samples_at_the_early_steps(scripts):
     """The bench's clock summary: samples before the EARLY_STEPS-th step's start are early, the rest after it,
     samples outside the decode are ignored, and throttle bits are named."""
     from llm_anatomy.probe.telemetry import RawSample
 
-    bench = load_bench()
+    bench = scripts("bench_h200")
     starts = [1000 + 10 * i for i in range(30)]  # step i starts at 1000 + 10 i ns; early ends at 1200
 
     def sample(t, mhz, watts, mask=0):
@@ -243,60 +222,113 @@ def test_clocks_by_phase_splits_samples_at_the_early_steps():
     assert empty["early"]["sm_mhz_median"] is None and empty["rest"]["throttle"] == []
 
 
-def test_kv_layout_probe_overrides_the_merge_warps_only_inside_its_block(probes):
-    pytest.importorskip("triton")
-    from llm_anatomy.kernels import decode_attention
-
-    probe = probes("probe_kv_layout")
-    with probe.merge_warps(1):
-        assert decode_attention.merge_warps(64, 128) == 1
-    with probe.merge_warps(None):  # the engine's rule
-        assert decode_attention.merge_warps(64, 128) == 2
-    assert decode_attention.merge_warps(64, 128) == 2 and decode_attention.merge_warps(16, 128) == 1
-    with probe.merge_chunks(1):
-        assert decode_attention.merge_chunks(32, 128, 132) == 1
-    assert decode_attention.merge_chunks(32, 128, 132) == 2
+# ---- check_core.py ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def tiny_checkpoint(save_tiny):
+    directory, _ = save_tiny(initializer_range=0.2)
+    return directory
 
 
-def test_cuda_probes_sources_and_launch_structs(probes):
-    """The CUDA C++ probes' sources come out of their templates whole, their shared memory fits a Hopper block
-    (227 KB), and the launch structures mirror the driver's CUlaunchConfig and CUlaunchAttribute."""
-    import ctypes
+def test_parity_with_hf_on_a_tiny_model(scripts, tiny_checkpoint):
+    """In float32 the engine's tokens are HF's argmax and its log-probabilities HF's to rounding; in bfloat16 the
+    engine is also compared with HF in float32, beside HF's own bfloat16 distance from float32."""
+    from llm_anatomy import Engine
 
-    pytest.importorskip("triton")
-    from llm_anatomy.kernels import cuda as nvrtc
+    check = scripts("check_core")
+    cpu = torch.device("cpu")
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256)
+    case = check.parity(engine, torch.float32, cpu, prompt_tokens=24, decode_steps=6)
+    assert (case["prompt_tokens"], case["output_tokens"], case["argmax_agreement_with_hf"]) == (24, 6, 1.0)
+    assert set(case) == {"prompt_tokens", "output_tokens", "argmax_agreement_with_hf", "vs_hf"}
+    assert max(case["vs_hf"].values()) < 1e-4
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype=torch.bfloat16, kv_cache_tokens=256)
+    case = check.parity(engine, torch.bfloat16, cpu, prompt_tokens=24, decode_steps=6)
+    assert {"vs_hf", "vs_fp32", "hf_vs_fp32"} <= set(case)
+    assert 0 < case["vs_fp32"]["top20_logprob_abs_err_max"] < 0.1  # bf16 rounding, not a different model
 
-    chain, mlp = probes("probe_stream_chain"), probes("probe_stream_mlp")
-    source = chain.SOURCE % {"K": 4096, "N": 6144, "ROWS": 4, "STAGES": 6, "MAX_GROUPS": 12, "WAIT": 1, "XS": 6144}
-    assert "%(" not in source and "#define N 6144" in source and "it % STAGES" in source
-    assert "%(" not in mlp.SOURCE and "#define I 12288" in mlp.SOURCE
-    assert mlp.SMEM <= 227 * 1024 and mlp.SLOT_BYTES >= max(2 * mlp.GU_ROWS * 4096 * 2, 12288 * 2)
-    assert ctypes.sizeof(nvrtc.LaunchAttribute) == 72 and nvrtc.LaunchAttribute.value.offset == 8
-    assert ctypes.sizeof(nvrtc.LaunchConfig) == 56
-    assert (nvrtc.LaunchConfig.stream.offset, nvrtc.LaunchConfig.attrs.offset, nvrtc.LaunchConfig.num_attrs.offset) \
-        == (32, 40, 48)
+
+def test_logprob_errors_against_a_reference(scripts):
+    ref = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]]), dim=-1)
+    ours = [(ref[0, 0].item() + 0.01, [(0, ref[0, 0].item() + 0.01), (1, ref[0, 1].item() - 0.02)]),
+            (ref[1, 1].item(), [(1, ref[1, 1].item()), (2, ref[1, 2].item() + 0.005)])]
+    check = scripts("check_core")
+    errors = check.logprob_errors(ours, [0, 1], ref)
+    assert errors["chosen_logprob_abs_err_mean"] == pytest.approx(0.005, abs=1e-6)
+    assert errors["chosen_logprob_abs_err_max"] == pytest.approx(0.01, abs=1e-6)
+    assert errors["top20_logprob_abs_err_max"] == pytest.approx(0.02, abs=1e-6)
+    tokens, generated = check.as_generated(ref)
+    assert tokens == [0, 1] and generated[1][1][:2] == [(1, pytest.approx(ref[1, 1].item())),
+                                                        (2, pytest.approx(ref[1, 2].item()))]
 
 
-def test_decode_step_kernel_source_and_shapes(probes):
-    """The whole-step CUDA kernel's source comes out whole for Qwen3-8B (every option defined, the helpers' %
-    escapes undone), fits a Hopper block's shared memory, and `supports` says why it does not run other shapes."""
-    from llm_anatomy.hub import resolve
-    from llm_anatomy.models.config import ModelConfig
+@pytest.mark.parametrize("argv, message", [
+    (["--cases", "512"], "argument --cases: want PROMPT:STEPS pairs"),
+    (["--cases", "512:64,0:8"], "argument --cases: want PROMPT:STEPS pairs"),
+    (["--kv-cache-tokens", "0"], "want a positive whole number, got '0'"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["--out", str(BENCHMARKS)], "argument --out: want a file name"),
+    (["--model", "nope", "--device", "cpu"], "unknown model 'nope'"),
+])
+def test_check_core_refuses_bad_input_with_one_line(scripts, capsys, argv, message):
+    assert message in refused(scripts("check_core").main, argv, capsys)
 
-    pytest.importorskip("triton")
-    kernel = probes("decode_step_kernel")
-    eight = ModelConfig.from_hf(resolve("Qwen/Qwen3-8B").config)
-    source = kernel.source(eight.hidden_size, eight.q_size, eight.kv_size, eight.intermediate_size, skip=3)
-    for define in ("#define H 4096", "#define I 12288", "#define KVD 1024", "#define SKIP 3", "#define TIMELINE 0",
-                   "#define NO_WEIGHTS 0", "#define INTERLEAVE 0", f"#define EVENTS_PER_LAYER {len(kernel.EVENTS)}"):
-        assert define in source
-    assert "%%" not in source and "asm volatile(\"mbarrier.arrive.shared::cta.b64 _, [%0];\"" in source
-    assert kernel.shared_bytes(eight.intermediate_size) <= 227 * 1024
-    assert kernel.supports(eight, torch.bfloat16, torch.bfloat16) is None
-    assert "bf16" in kernel.supports(eight, torch.float16, torch.bfloat16)
-    small = ModelConfig.from_hf(resolve("Qwen/Qwen3-0.6B").config)
-    assert "rows too short" in kernel.supports(small, torch.bfloat16, torch.bfloat16)
-    fourteen = ModelConfig.from_hf(resolve("Qwen/Qwen3-14B").config)
-    assert "too long" in kernel.supports(fourteen, torch.bfloat16, torch.bfloat16)
-    with pytest.raises(ValueError, match="skip: 0, 1, 2 or 3"):  # before any work on the model or the device
-        kernel.DecodeStepKernel(None, None, None, skip=4)
+
+def test_check_core_refuses_a_case_longer_than_the_model_before_any_case_runs(scripts, capsys, tiny_checkpoint):
+    argv = ["--model", str(tiny_checkpoint), "--device", "cpu", "--dtype", "float32", "--cases", "16:4,600:8"]
+    assert "exceeds the model's context of 512 tokens" in refused(scripts("check_core").main, argv, capsys)
+
+
+# ---- serve_sweep.py --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--levels", "1,0,4"], "argument --levels: want comma-separated positive whole numbers, got '1,0,4'"),
+    (["--levels", ""], "argument --levels:"),
+    (["--port", "70000"], "argument --port: want a TCP port, 1..65535, got '70000'"),
+    (["--waves", "0"], "argument --waves: want a positive whole number"),
+    (["--prompt-tokens", "-5"], "argument --prompt-tokens"),
+    (["--max-num-batched-tokens", "x"], "argument --max-num-batched-tokens: want a positive whole number"),
+    (["--out", str(BENCHMARKS)], "argument --out: want a file name"),
+    (["--model", "nope"], "unknown model 'nope'"),
+])
+def test_serve_sweep_refuses_bad_input_with_one_line(scripts, capsys, argv, message):
+    assert message in refused(scripts("serve_sweep").main, argv, capsys)
+
+
+def anatomy(ttft_ms: float, batch: int) -> dict:
+    return {"phases": [{"name": "queue", "start_ms": 1.0, "end_ms": 3.0}], "prefill": {"batch_size": 2, "ms": 10.0},
+            "decode_steps": [{"batch_size": batch, "host_ms": 0.5, "gpu_ms": 4.0}] * 3, "ttft_ms": ttft_ms,
+            "tpot_ms": 4.1, "batching": {"queue_ms": 2.0, "stall_ms": 0.0}, "decode": {"roofline": {"mbu": 0.8}}}
+
+
+def test_serve_sweep_server_view_skips_anatomies_the_store_rotated_out(scripts, monkeypatch):
+    sweep = scripts("serve_sweep")
+    held = {"a": anatomy(10.0, 4), "c": anatomy(30.0, 8)}
+
+    def get(url, timeout):
+        found = held.get(url.rsplit("/", 1)[1])
+        return SimpleNamespace(status_code=200 if found else 404, json=lambda: found, raise_for_status=lambda: None)
+
+    monkeypatch.setattr(sweep.httpx, "get", get)
+    view = sweep.server_view("http://server", [{"anatomy_id": i} for i in "abc"])
+    assert (view["anatomies"], view["anatomies_missing"]) == (2, 1)
+    assert view["ttft_ms_p50"] in (10.0, 30.0) and view["mean_batch"] == 6 and view["max_batch"] == 8
+    assert view["phases_ms_p50"]["queue"] == 2.0 and view["phases_ms_p50"]["prefill"] == 0.0
+    assert sweep.server_view("http://server", [{"anatomy_id": "b"}]) == {"anatomies": 0, "anatomies_missing": 1}
+
+
+def test_serve_sweep_table(scripts):
+    sweep = scripts("serve_sweep")
+    level = {"concurrency": 64, "output_tok_s": 5294.4, "bare_engine_tok_s": 6451.2, "all_tokens": True,
+             "ttft_ms": {50: 653.94, 90: 1558.87, 99: 1574.34}, "tpot_ms": {50: 8.559, 90: 12.337, 99: 12.344},
+             "itl_ms": {50: 6.87, 90: 7.31, 99: 14.2047}, "joules_per_output_token": 0.11631,
+             "server": {"mean_batch": 50.04}}
+    result = {"model": "Qwen/Qwen3-8B", "prompt_tokens": 512, "output_tokens": 256, "device": "NVIDIA H200",
+              "server_start_s": 29.5, "levels": [level, {**level, "concurrency": 512, "bare_engine_tok_s": None,
+                                                          "joules_per_output_token": None, "server": {}}],
+              "anatomy_build_ms_mean": 15.39, "kv_cache_usage_after": 0.0, "running_after": 0.0, "server_exit": -15}
+    lines = sweep.render_levels(result).splitlines()
+    assert lines[0] == "Qwen/Qwen3-8B, 512 prompt / 256 output tokens, NVIDIA H200; server start 30 s"
+    assert lines[3] == ("| 64 | 5294 | 6451 | 653.9 / 1558.9 / 1574.3 | 8.56 / 12.34 / 12.34 | 14.20 | 50.0 | "
+                        "0.116 | True |")
+    assert lines[4].startswith("| 512 | 5294 | - |") and lines[4].endswith("| 14.20 | - | - | True |")
+    assert lines[5] == "anatomy build (off the engine thread): 15.4 ms per call on average"
+    assert sweep.pct([], 50) is None and sweep.pct([3.0, 1.0, 2.0], 50) == 2.0
