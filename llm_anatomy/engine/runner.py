@@ -46,7 +46,7 @@ class ModelRunner:
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """One host-to-device copy; on CUDA through a pinned buffer kept for the purpose (pinning a fresh
-        tensor each step took 2.7 ms in a profiled H200 step), two per dtype used in turn, without blocking.
+        tensor each step costs milliseconds), two per dtype used in turn, without blocking.
         A buffer's previous copy has long finished when its turn comes again; its event makes sure."""
         if self.device.type != "cuda":
             return host

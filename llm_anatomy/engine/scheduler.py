@@ -10,7 +10,7 @@ Two policies:
   stalls), but every step has a shape the CUDA graphs cover: a decode of the batch, or a short prompt alone.
 - mixed steps: every step decodes the running sequences and fills the rest of the budget with prompts, so
   their tokens ride along in the prefill's matrix products instead of waiting. Such steps run without CUDA
-  graphs; on the H200 this trades throughput for time to first token (benchmarks/RESULTS.md).
+  graphs, so they trade throughput for time to first token (benchmarks/README.md).
 
 When the pool runs out of blocks, the newest running sequence is preempted: its blocks are freed and it is
 recomputed later from its tokens (prompt + output so far), so nothing is lost.

@@ -2,7 +2,8 @@
 
 A GEMV's best tile depends on what runs around it: with programmatic dependent launch the next kernel starts
 while this one drains, and the weights come cold from HBM every step. Timed alone (Triton's autotuner), the
-picks varied from process to process and cost the Qwen3-8B step up to 0.58 ms on the H200. So each shape is
+picks vary from process to process and can cost the step more than a kernel change gains (benchmarks/README.md).
+So each shape is
 tuned by coordinate descent on the real thing: for each candidate tile, the batch-1 decode step is captured
 and replayed, and the fastest step wins; then the winner with weights read ahead of the PDL wait
 (gemv.prefetch_variants) is tried. Shapes go largest first, each tuned with the others at their best so far.

@@ -10,7 +10,7 @@ from functools import cache
 
 import torch
 
-# Device helpers shared by the streaming kernels' CUDA sources (stream_gemv.py, the probes in benchmarks/):
+# Device helpers for the streaming kernels' CUDA sources (stream_gemv.py):
 # mbarrier waits and bulk copies into shared memory, bf16 <-> float, a dot product of 8 bf16 pairs, a warp's sum,
 # a ring's barriers. A piece of a %-template (hence the %%), placed before the kernels and formatted with them.
 STREAM_HELPERS = r"""

@@ -7,10 +7,9 @@ second kernel merges the partial softmaxes (at batch 1 each head in pieces, see 
 gathered through the block table per token, so the tile (BLOCK_N tokens) does not depend on the page size. Only
 each sequence's valid context is read.
 
-(Merging in the last-arriving program of the first kernel, through an atomic counter, saves a launch but
-was slower on the H200: 15 us a layer against 7.4 for the two kernels, its merge being a serial chain of
-loads. benchmarks/results/2026-11-29_bench_run3.json, section attn. A split kernel in CUDA C++ that read the cache
-before its PDL wait was as fast alone at 32k and slower in the step: benchmarks/RESULTS.md, fourteenth session.)
+(Two alternatives measured slower in the decode step, benchmarks/README.md: merging in the split kernel's
+last-arriving program through an atomic counter, which saves a launch but makes the merge a serial chain of
+loads; and a split kernel in CUDA C++ that reads the cache before its PDL wait.)
 """
 
 import torch
@@ -20,25 +19,21 @@ import triton.language as tl
 from . import sm_count
 from .pdl import gdc_enter
 
-# Tile and pipelining: the best of benchmarks/bench_h200.py's section attn at 32k context on the H200
-# (at 512 tokens all configs were within 10%). Any config is correct.
+# Tile and pipelining for long contexts, where the attention's bytes matter (benchmarks/README.md); the short
+# graph takes its own tile (DecodeAttentionPlan.short_block_n). Any config is correct.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
 
 
 def merge_warps(splits_pad: int, d_block: int) -> int:
     """The merge kernel's warps: a program holds splits x d_block float32 partial sums, at most 128 a thread.
-    One warp for 33 splits of whole 128-wide rows spilled them: on the H200, 36 layers of attention at 32k took
-    1.541 ms with one warp and 1.456 with two; with 66 splits one warp took 2.79 ms and four 1.58
-    (benchmarks/probe_kv_layout.py)."""
+    They stay in registers so (one warp for 33 splits of 128-wide rows spilled them; benchmarks/README.md)."""
     return max(1, min(8, splits_pad * d_block // (32 * 128)))
 
 
 def merge_chunks(programs: int, head_dim: int, sm_count: int) -> int:
     """Pieces of head_dim that each (sequence, query head) of the merge is cut into: the most, in powers of two
     and of at least 16 values, that keep `programs` x pieces within half a program per multiprocessor (batch 1,
-    32 heads: 2 pieces of 64), so that each program's chain of loads is shorter. Qwen3-8B's batch-1 step on the
-    H200: 3.836 ms against 3.860 with whole heads at 512 tokens, 4.968 against 4.983 at 32k; 4 pieces 3.857 and
-    4.967, 8 pieces 3.844 and 4.972 (benchmarks/probe_kv_layout.py --step, 5 rounds interleaved)."""
+    32 heads: 2 pieces of 64), so that each program's chain of loads is shorter, which shortens the batch-1 step (benchmarks/README.md)."""
     chunks = 1
     while 4 * chunks * programs <= sm_count and 2 * chunks <= head_dim // 16:
         chunks *= 2
@@ -88,9 +83,8 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    # The lengths are written before the step, not by a kernel of it: read while the kernel before finishes. (Its
-    # first tile of keys and values read there too was slower: 4.226 ms a step against 4.172 at 512 tokens on the
-    # H200, commit f871882.)
+    # The lengths are written before the step, not by a kernel of it: read while the kernel before finishes. (The
+    # first tile of keys and values is not read there: that was slower, benchmarks/README.md.)
     ctx = tl.load(ctx_ptr + b)
     per_split = _split_len(ctx, splits, BLOCK_N)
     start = s * per_split

@@ -9,8 +9,8 @@ round trip through memory.
 
 A single bf16 row goes to the streaming CUDA kernel instead (stream_gemv.py), where it is enabled.
 
-(down's GEMV starting on each chunk of gate_up's output as soon as it was written, through flags, rather than at
-the kernel boundary, was slower by 0.07-0.17 ms a step on the H200: commit 65bed5e, benchmarks/RESULTS.md.)
+(down's GEMV waits for the whole of gate_up's output at the kernel boundary: starting on each chunk as soon as it
+was written, through flags, was slower in the step, benchmarks/README.md.)
 """
 
 from dataclasses import dataclass, replace
@@ -37,11 +37,9 @@ class Tile:
 
 
 # The best tile of a shape depends on its neighbours in the decode step (with programmatic dependent launch a
-# kernel's tail overlaps the next one's start), not on the kernel timed alone: on the H200, Triton's autotuner
-# picked tiles that made the Qwen3-8B step up to 0.58 ms slower than the best ones found inside the step
-# (benchmarks/probe_decode_parts.py). So the runner tunes each shape inside the captured step at start-up
-# (engine/tuning.py) among these candidates: the tiles that came within 0.1 ms of a shape's best step there, and
-# two-warp variants of them (two warps won for two shapes).
+# kernel's tail overlaps the next one's start), not on the kernel timed alone, so start-up tunes each shape inside
+# the captured step (engine/tuning.py) among these candidates: the tiles that came near a shape's best step in a
+# sweep of Qwen3-8B's shapes, and two-warp variants of them (benchmarks/README.md).
 CANDIDATE_TILES = [Tile(bn, bk, w, s) for bn, bk, w, s in (
     (32, 512, 4, 4), (16, 256, 2, 4), (32, 256, 4, 5), (64, 256, 4, 4), (32, 512, 8, 4), (32, 256, 4, 4),
     (64, 128, 4, 5), (32, 128, 2, 4), (64, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 4), (32, 128, 4, 3),
@@ -50,10 +48,8 @@ CANDIDATE_TILES = [Tile(bn, bk, w, s) for bn, bk, w, s in (
 # shapes in bf16; float32's twice-as-large tiles need a shallower pipeline to fit in shared memory.
 DEFAULT_TILE = {2: Tile(32, 256, 4, 4), 4: Tile(16, 256, 4, 3)}
 # A GEMV's weights do not depend on the kernel before it, so its first K tiles can be read before its PDL wait,
-# while that kernel finishes. Start-up tries these on each shape's best tile. On the H200 (Qwen3-8B), two tiles
-# ahead took a chain of gate_ups from 69.7 to 56.8 us each; tuned with them in the step, gate_up took two and
-# qkv one, and the step went from 4.254 to 4.228 ms (benchmarks/probe_gemv_overlap.py). Elsewhere it lost
-# (o_proj 10.4 -> 15.3 us with two), hence tried per shape, not set.
+# while that kernel finishes. It pays for some shapes and loses for others (benchmarks/README.md), so start-up
+# tries these on each shape's best tile rather than setting one.
 PREFETCH_CHOICES = (1, 2)
 
 

@@ -5,11 +5,11 @@ A persistent, TMA-fed Triton GEMM: one program per multiprocessor walks the outp
 load brings a block of gate rows and the matching block of up rows (a [2, BN, BK] box of the weight seen as
 [2, N, K]), so one [BM, 2 BN] product holds matching tiles of both; the epilogue splits it and rounds as HF does.
 
-On the H200 (benchmarks/probe_prefill_gemm.py) the plain product at best ties cuBLAS, so only the gated one is
-used: it beats cuBLAS + silu_mul by 2-3 %. Triton 3.6 does not warp-specialize on Hopper (the loop's attribute
-is accepted and leaves no trace in the compiled kernel). Two other epilogues lost to cuBLAS and the kernel after
-it: adding the residual stream (commit 28ad9bc; cuBLAS now adds it itself, with beta = 1: qwen3.residual_linear),
-and QK-norm + RoPE + the KV store on qkv (commit 5f0abdc, benchmarks/RESULTS.md, eleventh session).
+The plain product at best ties cuBLAS, so only the gated one is used, where it beats cuBLAS + silu_mul. Triton
+3.6 does not warp-specialize on Hopper (the loop's attribute is accepted and leaves no trace in the compiled
+kernel), so every tile's epilogue runs between its products: two other epilogues lost to cuBLAS and the kernel
+after it, adding the residual stream (cuBLAS adds it itself, with beta = 1: qwen3.residual_linear) and QK-norm +
+RoPE + the KV store on qkv. (Measured: benchmarks/README.md.)
 """
 
 from __future__ import annotations
@@ -93,9 +93,8 @@ def _matmul_kernel(a_desc, b_desc, c_desc, M, N, K,
         c_desc.store([off_m, off_n], out)
 
 
-# The engine's tile for prefill's gated product, and the fewest rows it is used from: on the H200 (Qwen3-8B,
-# benchmarks/probe_prefill_gemm.py, 2026-11-30) 319 / 635 / 1266 / 2547 us a layer at 1024 / 2048 / 4096 / 8192
-# tokens against cuBLAS + silu_mul's 328 / 646 / 1298 / 2597; below 1024 rows it was not measured.
+# The engine's tile for prefill's gated product, and the fewest rows it is used from: it beat cuBLAS + silu_mul
+# from 1024 to 8192 rows; below 1024 it was not measured (benchmarks/README.md).
 GATED_TILE = GemmTile(128, 128, 64, 3, 8, 16)
 GATED_MIN_ROWS = 1024
 

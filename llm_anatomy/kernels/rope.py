@@ -4,7 +4,7 @@ Each program takes one head of a block of tokens: query heads are normalised ove
 (rotate-half) and written out; key heads likewise, then stored into their cache slots together with the
 matching value heads. A decode step has a few tokens (one per sequence) and gets blocks of one; a prefill
 of thousands gets blocks of 32, so that a program moves 16 KB rather than 512 bytes (a program per token
-and head spent 372 us a layer on a 7.7k-token step, 7.7 % of it). A slot of -1 (a padded row of a
+and head took several times as long; benchmarks/README.md). A slot of -1 (a padded row of a
 CUDA-graph batch) stores nothing. A prefill also gets this step's K and V as contiguous tensors (kv_out), which
 its attention reads instead of gathering them back out of the cache.
 """

@@ -1,20 +1,18 @@
 """The batch-1 decode GEMV as a hand-written CUDA kernel that reads its weights before its inputs exist.
 
 A decode step is ~145 dependent GEMVs with small kernels (norms, RoPE, attention) between them. Each Triton GEMV
-starts reading weights only once the kernel before it has ended, and its tail leaves multiprocessors idle, which
-cost ~2 us a GEMV on the H200 (benchmarks/RESULTS.md). Here one block per multiprocessor takes an even share of
-the rows: its producer warp streams them by bulk copies into a ring of shared-memory stages from the moment the
+starts reading weights only once the kernel before it has ended, and its tail leaves multiprocessors idle: a fixed
+cost per GEMV that adds up over a step's ~145 (benchmarks/README.md). Here one block per multiprocessor takes an even
+share of the rows: its producer warp streams them by bulk copies into a ring of shared-memory stages from the moment the
 block is resident, before the PDL wait (weights never depend on the kernel before), while eight consumer warps
 wait for the input, then dot each stage with it. The ring takes most of a multiprocessor's shared memory, so the
 next GEMV's block cannot share a multiprocessor with this one's (the small kernels between still can): it becomes
-resident, and starts streaming, on each multiprocessor as this GEMV's block there ends, filling the tail. Qwen3-8B's
-batch-1 step on the H200: 3.88 ms against 4.13 with the Triton GEMV at 512 tokens, 5.05 against 5.39 at 32k
-(benchmarks/probe_stream_gemv.py, RESULTS.md twelfth session).
+resident, and starts streaming, on each multiprocessor as this GEMV's block there ends, filling the tail
+(benchmarks/README.md has the measured step).
 
 The GEMVs after a norm (qkv, gate_up) take the norm too (`norm`): each block adds the product before to the
 residual stream and RMS-normalises the row itself (16 KB from L2, a block-wide sum), and block 0 writes the new
-stream. A decode step then has no norm kernels but the first and the last, and one wait fewer per norm in its chain:
-3.861 against 3.915 ms at 512 tokens, 4.984 against 5.076 at 32k (thirteenth session).
+stream. A decode step then has no norm kernels but the first and the last, and one wait fewer per norm in its chain.
 
 Numerics: float32 sums of bf16 products, each output rounded to bf16; gated rounds as the Triton GEMV and HF do
 (each projection, SiLU's output, the product). Deterministic: per-warp partial sums added in a fixed order.

@@ -91,8 +91,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, 
     return cache[blocks].flatten(0, 1)[:length].to(dtype)
 
 
-# On the GPU, cuDNN's fused attention runs causal prefill about twice as fast as the flash backend on an
-# H200 (benchmarks/results/2026-11-29_probe_sdpa.json); the others are fallbacks for shapes it refuses.
+# On the GPU, cuDNN's fused attention runs causal prefill fastest (benchmarks/README.md); the others are
+# fallbacks for shapes it refuses.
 GPU_PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH]
 
@@ -106,7 +106,7 @@ def prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch
 
 def prefill_bucket(n: int) -> int:
     """The length a fresh prompt's attention runs at on the GPU. cuDNN builds a plan for each new length
-    (about 0.4 s on an H200, benchmarks/RESULTS.md), so lengths are bucketed and the plans built at start-up:
+    (a large part of a second), so lengths are bucketed and the plans built at start-up (benchmarks/README.md):
     powers of two up to 512 (there the step reads weights more than it computes), multiples of 128 up to 2048,
     then four buckets per doubling. Padded tokens sit after the real ones, so causality hides them."""
     if n <= 512:
