@@ -157,3 +157,51 @@ def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, 
     for name in ("fused", "norms apart"):
         a, b = out[name][0], out["triton"][0]
         assert ((a - b).norm() / b.norm()).item() < 2e-2, name
+
+
+def test_fp8_stages_hold_twice_the_rows():
+    """fp8 weights are half the bytes: a stage holds twice the rows of bf16 ones, and K must come in 16 weights."""
+    for n, k, gated in ((6144, 4096, False), (12288, 4096, True), (4096, 12288, False), (151936, 4096, False)):
+        stages, shared = sg.plan(n, k, gated, 132, weight_bytes=1)
+        assert stages >= 2 and shared <= sg.SHARED_LIMIT
+        assert sg.rows_per_stage(n, k, gated, 1) >= 2 * sg.rows_per_stage(n, k, gated) or n % 2
+    assert "#define FP8 1" in sg.source(4096, 4096, False, weight_bytes=1)
+    assert "#define FP8 0" in sg.source(4096, 4096, False)
+
+
+def quantize_rows(w):
+    """w [N, K] -> (float8 e4m3 weights, float32 scale per row): each row's largest magnitude maps to 448."""
+    scale = (w.float().abs().amax(1) / 448.0).clamp(min=1e-12)
+    return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (12288, 4096, True), (4096, 12288, False),
+                                       (2560, 2560, False), (9728, 2560, True)])
+@pytest.mark.parametrize("normed", [False, True])
+def test_fp8_weights_match_their_dequantized_product(n, k, gated, normed, streaming):
+    """fp8 weights with a scale per row: the product (and SiLU*up, and the norm before it) equals the same
+    kernel's bf16-free reference, x times the dequantized weights in float32, rounded as the bf16 kernel rounds."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(2 * n if gated else n, k, device="cuda", generator=g) / k ** 0.5
+    w8, scale = quantize_rows(w)
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    norm = None
+    x_ref = x
+    if normed:
+        residual = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+        norm_weight = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+        new_residual = torch.empty_like(residual)
+        norm = (residual, new_residual, norm_weight, 1e-6)
+        summed = (x.float() + residual.float()).bfloat16().float()
+        x_ref = ((summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16().float()
+                 * norm_weight.float()).bfloat16()
+    y = sg.stream_gemv(x, w8, gated, norm=norm, scale=scale)
+    deq = w8.float() * scale[:, None]
+    want = reference(x_ref, deq, gated)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, n)
+    assert ((y.float() - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(sg.stream_gemv(x, w8, gated, norm=norm, scale=scale), y)  # the same bits every run
+    with pytest.raises(ValueError, match="per-row scale"):
+        sg.stream_gemv(x, w8, gated)

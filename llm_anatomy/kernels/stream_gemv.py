@@ -46,6 +46,8 @@ SOURCE = r"""
 #define STAGE_ELEMS (HALVES * ROWS * K)
 #define CONSUMERS %(CONSUMERS)d
 #define NORMED %(NORMED)d                 // x is a product to add to the residual stream and RMS-normalise first
+#define FP8 %(FP8)d                       // weights in float8 e4m3 with a float32 scale per row, else bf16
+#define WB (FP8 ? 1 : 2)                  // bytes of a weight
 #define KP (K / 8)                               // 16-byte pieces of a row
 #define PIECES ((KP + CONSUMERS - 1) / CONSUMERS)  // of them, each consumer thread's (the last may be short)
 #define HAS_PIECE(p) ((p) < PIECES - 1 || KP %% CONSUMERS == 0 || tid < KP %% CONSUMERS)
@@ -61,14 +63,35 @@ __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
     return lo(w.x) * x[0] + hi(w.x) * x[1] + lo(w.y) * x[2] + hi(w.y) * x[3]
          + lo(w.z) * x[4] + hi(w.z) * x[5] + lo(w.w) * x[6] + hi(w.w) * x[7];
 }
+// Two e4m3 values (the low byte first) as floats, exactly: by way of an f16 pair (sm_89 and later).
+__device__ __forceinline__ float2 e4m3x2(unsigned short v) {
+    unsigned h;
+    float2 f;
+    asm("cvt.rn.f16x2.e4m3x2 %%0, %%1;" : "=r"(h) : "h"(v));
+    asm("{ .reg .b16 l, u; mov.b32 {l, u}, %%2; cvt.f32.f16 %%0, l; cvt.f32.f16 %%1, u; }" : "=f"(f.x), "=f"(f.y) : "r"(h));
+    return f;
+}
+__device__ __forceinline__ float dot8e4m3(uint2 w, const float* x) {
+    const float2 a = e4m3x2(w.x & 0xffffu), b = e4m3x2(w.x >> 16), c = e4m3x2(w.y & 0xffffu), d = e4m3x2(w.y >> 16);
+    return a.x * x[0] + a.y * x[1] + b.x * x[2] + b.y * x[3] + c.x * x[4] + c.y * x[5] + d.x * x[6] + d.y * x[7];
+}
+// One 8-weight piece of a stage's row dotted with 8 values of x
+__device__ __forceinline__ float dot_piece(const unsigned char* row, int piece, const float* x) {
+#if FP8
+    return dot8e4m3(*(const uint2*)(row + piece * 8), x);
+#else
+    return dot8f(*(const uint4*)(row + piece * 16), x);
+#endif
+}
 
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
-stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restrict__ x,
+stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restrict__ x,
             unsigned short* __restrict__ y, int n, int stages, const unsigned short* __restrict__ res_in,
-            unsigned short* __restrict__ res_out, const unsigned short* __restrict__ norm_w, float eps) {
+            unsigned short* __restrict__ res_out, const unsigned short* __restrict__ norm_w, float eps,
+            const float* __restrict__ w_scale) {
     extern __shared__ __align__(128) unsigned char smem[];
-    unsigned short* ring = (unsigned short*)smem;
-    unsigned long long* full = (unsigned long long*)(ring + (size_t)stages * STAGE_ELEMS);
+    unsigned char* ring = smem;
+    unsigned long long* full = (unsigned long long*)(ring + (size_t)stages * STAGE_ELEMS * WB);
     unsigned long long* empty = full + stages;
     float* warp_sums = (float*)(empty + stages);  // NORMED: each consumer warp's sum of squares
     float* partial = warp_sums + CONSUMERS / 32;  // [warp][half][row of this block]
@@ -90,10 +113,11 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
                 if (round > 0) mbar_wait(smem_addr(&empty[slot]), (round - 1) & 1);
                 const unsigned bar = smem_addr(&full[slot]);
                 asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;"
-                             :: "r"(bar), "r"(STAGE_ELEMS * 2) : "memory");
-                unsigned short* dst = ring + (size_t)slot * STAGE_ELEMS;
-                bulk_load(dst, w + (size_t)g * ROWS * K, ROWS * K * 2, bar);
-                if (HALVES == 2) bulk_load(dst + ROWS * K, w + ((size_t)n + (size_t)g * ROWS) * K, ROWS * K * 2, bar);
+                             :: "r"(bar), "r"(STAGE_ELEMS * WB) : "memory");
+                unsigned char* dst = ring + (size_t)slot * STAGE_ELEMS * WB;
+                bulk_load(dst, w + (size_t)g * ROWS * K * WB, ROWS * K * WB, bar);
+                if (HALVES == 2)
+                    bulk_load(dst + ROWS * K * WB, w + ((size_t)n + (size_t)g * ROWS) * K * WB, ROWS * K * WB, bar);
             }
         }
         return;
@@ -141,14 +165,14 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
     for (int g = g0, it = 0; g < g1; ++g, ++it) {
         const int slot = it %% stages, round = it / stages;
         mbar_wait(smem_addr(&full[slot]), round & 1);
-        const unsigned short* stage = ring + (size_t)slot * STAGE_ELEMS;
+        const unsigned char* stage = ring + (size_t)slot * STAGE_ELEMS * WB;
         float acc[HALVES * ROWS];
         #pragma unroll
         for (int r = 0; r < HALVES * ROWS; ++r) {
             float a = 0.f;
             #pragma unroll
             for (int p = 0; p < PIECES; ++p)
-                if (HAS_PIECE(p)) a += dot8f(*(const uint4*)(stage + r * K + (p * CONSUMERS + tid) * 8), &xf[p * 8]);
+                if (HAS_PIECE(p)) a += dot_piece(stage + (size_t)r * K * WB, p * CONSUMERS + tid, &xf[p * 8]);
             acc[r] = a;
         }
         __syncwarp();
@@ -164,11 +188,17 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
         float a = 0.f;
         #pragma unroll
         for (int k = 0; k < CONSUMERS / 32; ++k) a += partial[(k * HALVES) * mine + i];
+#if FP8
+        a *= w_scale[g0 * ROWS + i];
+#endif
         unsigned out;
         if (HALVES == 2) {
             float u = 0.f;
             #pragma unroll
             for (int k = 0; k < CONSUMERS / 32; ++k) u += partial[(k * HALVES + 1) * mine + i];
+#if FP8
+            u *= w_scale[n + g0 * ROWS + i];
+#endif
             const float gate = round_bf16(a);
             out = rne(round_bf16(gate / (1.f + __expf(-gate))) * round_bf16(u));
         } else {
@@ -180,24 +210,24 @@ stream_gemv(const unsigned short* __restrict__ w, const unsigned short* __restri
 """
 
 
-def rows_per_stage(n: int, k: int, gated: bool) -> int:
+def rows_per_stage(n: int, k: int, gated: bool, weight_bytes: int = 2) -> int:
     """Weight rows a stage copies (of each half when gated): as many as fit in STAGE_BYTES and divide n, so that
-    every stage is whole (Qwen3-8B: 4 for K = 4096, 2 for gate_up's halves, 1 for down's K = 12288)."""
-    most = max(1, STAGE_BYTES // (k * 2 * (2 if gated else 1)))
+    every stage is whole (Qwen3-8B in bf16: 4 for K = 4096, 2 for gate_up's halves, 1 for down's K = 12288)."""
+    most = max(1, STAGE_BYTES // (k * weight_bytes * (2 if gated else 1)))
     return next(r for r in range(most, 0, -1) if n % r == 0)
 
 
-def source(n: int, k: int, gated: bool, normed: bool = False) -> str:
-    return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated), "HALVES": 2 if gated else 1, "CONSUMERS": CONSUMERS,
-                     "NORMED": int(normed)}
+def source(n: int, k: int, gated: bool, normed: bool = False, weight_bytes: int = 2) -> str:
+    return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated, weight_bytes), "HALVES": 2 if gated else 1,
+                     "CONSUMERS": CONSUMERS, "NORMED": int(normed), "FP8": int(weight_bytes == 1)}
 
 
-def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
+def plan(n: int, k: int, gated: bool, blocks: int, weight_bytes: int = 2) -> tuple[int, int]:
     """(ring stages, shared bytes) of a launch over `blocks` blocks: the ring fills RING_BYTES, less what the
     per-warp partial sums of the block's rows take."""
-    rows = rows_per_stage(n, k, gated)
+    rows = rows_per_stage(n, k, gated, weight_bytes)
     halves = 2 if gated else 1
-    stage = halves * rows * k * 2
+    stage = halves * rows * k * weight_bytes
     most_rows = -(-(n // rows) // blocks) * rows
     partial = CONSUMERS // 32 * (halves * most_rows + 1) * 4  # and the warps' sums of squares
     stages = min(RING_BYTES, SHARED_LIMIT - partial - 1024) // stage
@@ -208,7 +238,9 @@ def plan(n: int, k: int, gated: bool, blocks: int) -> tuple[int, int]:
 def _compiles(device_index: int) -> bool:
     try:
         with torch.cuda.device(device_index):
-            compile_kernel(source(64, 8 * CONSUMERS, False), "stream_gemv", device_index, SHARED_LIMIT)
+            for weight_bytes in (2, 1):  # bf16 and fp8 weights
+                compile_kernel(source(64, 8 * CONSUMERS, False, weight_bytes=weight_bytes), "stream_gemv", device_index,
+                               SHARED_LIMIT)
     except Exception as e:  # no NVRTC in this PyTorch build: the Triton GEMV serves every row
         log.warning("the streaming GEMV did not compile (%s); the Triton GEMV takes batch 1 too", str(e).splitlines()[0])
         return False
@@ -228,12 +260,13 @@ def eligible(rows: int, k: int, dtype: torch.dtype) -> bool:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> bool:
-    """A single bf16 row on a GPU (see available), K in 16-byte pieces, a ring of at least two stages."""
+    """A single bf16 row on a GPU (see available) times bf16 weights, or fp8 e4m3 ones (with a scale per row), K
+    in 16-byte pieces, a ring of at least two stages."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
-    return (eligible(x.shape[0], k, x.dtype) and x.is_cuda and weight.dtype == x.dtype
-            and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
-            and plan(n, k, gated, sm_count(x.device))[0] >= 2)
+    return (eligible(x.shape[0], k, x.dtype) and x.is_cuda and weight.dtype in (x.dtype, torch.float8_e4m3fn)
+            and k * weight.element_size() % 16 == 0 and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
+            and plan(n, k, gated, sm_count(x.device), weight.element_size())[0] >= 2)
 
 
 def supports_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
@@ -245,20 +278,26 @@ def supports_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
                 norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-                pdl: bool = False) -> torch.Tensor:
+                pdl: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T -> [1, N] (bf16); with gated, weight = [gate; up] and the result SiLU(gate) * up.
     With norm = (residual, new_residual, norm_weight, eps), the product is of RMSNorm(x + residual) * norm_weight
     instead (rounded as HF rounds), and new_residual receives x + residual: the norm kernel before a GEMV, done by
-    the GEMV's consumers (see supports_norm). `pdl`: launched with programmatic dependent launch (pdl.py)."""
+    the GEMV's consumers (see supports_norm). `pdl`: launched with programmatic dependent launch (pdl.py).
+    An fp8 e4m3 weight comes with `scale`, float32 [rows of weight]: row r's products are multiplied by scale[r]
+    (x stays bf16: the weights alone are quantized, W8A16)."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (scale is not None):
+        raise ValueError("an fp8 weight needs its per-row scale, a bf16 weight takes none")
     blocks = sm_count(x.device)
-    stages, shared = plan(n, k, gated, blocks)
+    stages, shared = plan(n, k, gated, blocks, weight.element_size())
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     null = ctypes.c_void_p(0)
     residual, new_residual, norm_weight, eps = norm or (null, null, null, 0.0)
     with torch.cuda.device(x.device):  # the kernel's module and the stream are those of x's device
-        kernel = compile_kernel(source(n, k, gated, norm is not None), "stream_gemv", x.device.index, SHARED_LIMIT)
+        kernel = compile_kernel(source(n, k, gated, norm is not None, weight.element_size()), "stream_gemv",
+                                x.device.index, SHARED_LIMIT)
         launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages, residual, new_residual, norm_weight,
-                                                float(eps)], pdl=pdl, shared=shared)
+                                                float(eps), scale if fp8 else null], pdl=pdl, shared=shared)
     return y
