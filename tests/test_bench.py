@@ -6,8 +6,6 @@ import asyncio
 import json
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,6 +35,8 @@ class Behaviour:
     anatomy: bool = False  # x-anatomy-id headers and GET /v1/anatomy/{id}
     metrics: bool = True
     models_status: int = 200
+    slow_from_call: int = 0  # from this completion request on, the first chunk waits slow_ttft_s instead
+    slow_ttft_s: float = 0.0
 
 
 @dataclass
@@ -89,8 +89,9 @@ class Fake:
                 return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None,
                                                "code": None}}, 500)
             n = min(b.chunks, body["max_tokens"])
+            ttft = b.slow_ttft_s if b.slow_from_call and self.calls >= b.slow_from_call else b.ttft_s
             headers = {"x-anatomy-id": f"cmpl-{self.calls}"} if b.anatomy else {}
-            return StreamingResponse(self.stream(chat, n, body), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(self.stream(chat, n, ttft, body), media_type="text/event-stream", headers=headers)
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -102,7 +103,7 @@ class Fake:
 
         return app
 
-    async def stream(self, chat: bool, n: int, body: dict):
+    async def stream(self, chat: bool, n: int, ttft_s: float, body: dict):
         b = self.behaviour
 
         def sse(obj) -> str:
@@ -117,7 +118,7 @@ class Fake:
         try:
             if chat and b.role_chunk:
                 yield sse({"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
-            await asyncio.sleep(b.ttft_s)
+            await asyncio.sleep(ttft_s)
             for i in range(n):
                 if i:
                     await asyncio.sleep(b.itl_s)
@@ -127,7 +128,7 @@ class Fake:
             c["hits"] += 5
             c["queries"] += 10
             c["generated"] += n
-            c["ttft_sum"] += b.ttft_s
+            c["ttft_sum"] += ttft_s
             c["ttft_count"] += 1
             if b.usage and (body.get("stream_options") or {}).get("include_usage"):
                 yield sse({"id": "x", "choices": [], "usage": {"prompt_tokens": 16, "completion_tokens": n,
@@ -260,14 +261,22 @@ def test_a_refused_ignore_eos_is_dropped_and_said(server, tmp_path):
     assert lv["completed"] == 2 and lv["output_tokens_from"] == "chunks" and lv["output_tokens"] == 6
 
 
-def test_a_request_that_outlasts_the_timeout_fails_with_its_reason(server, tmp_path):
-    server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.005, chunks=2)
+def test_a_request_that_outlasts_the_timeout_fails_with_its_reason(server, tmp_path, capsys):
+    # the probe (call 1) answers at once, the level's requests after 0.6 s: past --timeout 0.3
+    server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.005, chunks=2, slow_from_call=2, slow_ttft_s=0.6)
     out = tmp_path / "t.json"
-    # the probe is fast; then the server slows down past the timeout
-    server.behaviour.ttft_s = 0.6
     rc = main([server.url, "--json", str(out), "--gpus", "none", "--concurrency", "2", "--num-prompts", "2",
                "--output-tokens", "2", "--timeout", "0.3"])
-    assert rc == 2  # the probe itself timed out: nothing can be measured
+    assert rc == 1 and "every request failed" in capsys.readouterr().err  # nothing succeeded: not a success
+    lv = json.loads(out.read_text())["levels"][0]
+    assert lv["errors"] == {"count": 2, "reasons": {"timeout: no byte from the server for 0.3 s": 2}}
+    assert lv["completed"] == 0 and lv["ttft_ms"]["p50"] is None and lv["output_tok_s"] == 0
+
+
+def test_a_probe_that_times_out_stops_the_run(server, capsys):
+    server.behaviour = Behaviour(ttft_s=0.6)
+    assert main([server.url, "--gpus", "none", "--concurrency", "1", "--timeout", "0.3"]) == 2
+    assert "no byte from the server for 0.3 s" in capsys.readouterr().err
 
 
 def test_anatomy_join(server, tmp_path):
@@ -290,16 +299,16 @@ def test_anatomy_against_another_server_is_refused(server, tmp_path, capsys):
     assert rc == 2 and "x-anatomy-id" in err[-1]
 
 
-def _cli(*args, timeout=30):
+def test_an_unreachable_url_exits_2_within_seconds(capsys):
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "llm_anatomy.bench", *args], capture_output=True, text=True,
-                       timeout=timeout)
-    return p.returncode, p.stderr.strip().splitlines(), time.monotonic() - t0
-
-
-def test_an_unreachable_url_exits_2_within_seconds():
-    rc, err, took = _cli(f"http://127.0.0.1:{free_port()}", "--gpus", "none")
-    assert rc == 2 and len(err) == 1 and "cannot reach" in err[0] and took < 15
+    rc = main([f"http://127.0.0.1:{free_port()}", "--gpus", "none"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "cannot reach" in err[0] and "connection refused" in err[0], err
+    assert time.monotonic() - t0 < 10
+    # a host that does not answer at all (TEST-NET-1: packets go nowhere): the pre-flight's timeout
+    t0 = time.monotonic()
+    assert main(["http://192.0.2.1:8000", "--gpus", "none"]) == 2
+    assert "cannot reach" in capsys.readouterr().err and time.monotonic() - t0 < 10
 
 
 def test_a_server_that_does_not_speak_the_api_exits_2(server, capsys):
@@ -349,7 +358,7 @@ def test_bad_urls(url, capsys):
     assert "URL" in capsys.readouterr().err
 
 
-def test_dataset_in_both_shapes(server, tmp_path):
+def test_dataset_in_both_shapes(server, tmp_path, capsys):
     server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.001, chunks=400)
     reply = "A KV cache keeps the keys and values of past tokens."
     lines = [{"prompt": "plain prompt one", "output_tokens": 5},
@@ -366,3 +375,7 @@ def test_dataset_in_both_shapes(server, tmp_path):
           "--output-tokens", "7", "--endpoint", "chat")
     assert {b["messages"][0]["content"] for b in server.bodies[1:]} == {"plain prompt one", "sharegpt question"}
     assert {b["max_tokens"] for b in server.bodies[1:]} == {7}
+    capsys.readouterr()
+    assert main([server.url, "--dataset", str(data), "--concurrency", "1"]) == 2  # before any request is sent
+    assert "the dataset has 2 usable prompts and a level needs 100" in capsys.readouterr().err
+    assert len(server.bodies) == 3  # the chat run's probe and 2: nothing more

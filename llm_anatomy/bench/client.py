@@ -71,7 +71,7 @@ class RequestShape:
         return body
 
 
-def new_session(base_url: str, connections: int, read_timeout_s: float | None, api_key: str | None,
+def new_session(connections: int, read_timeout_s: float | None, api_key: str | None,
                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> aiohttp.ClientSession:
     """One client for a whole level. `connections` (0: no limit) is at least the number of requests in flight,
     so no request ever waits for a connection inside the client, which would add to its TTFT."""
@@ -79,7 +79,7 @@ def new_session(base_url: str, connections: int, read_timeout_s: float | None, a
                                      ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    return aiohttp.ClientSession(base_url=base_url, connector=connector, timeout=timeout, headers=headers)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
 
 
 class SSEBuffer:
@@ -90,13 +90,10 @@ class SSEBuffer:
         self.buffer = b""
 
     def feed(self, data: bytes) -> list[str]:
-        self.buffer += data.replace(b"\r\n", b"\n")  # a CR-LF split across reads leaves a lone b"\r": see below
-        if self.buffer.endswith(b"\r"):
-            head, self.buffer = self.buffer[:-1], b"\r"
-        else:
-            head, self.buffer = self.buffer, b""
-        *events, rest = head.split(b"\n\n")
-        self.buffer = rest + self.buffer
+        data = self.buffer + data
+        cr = data.endswith(b"\r")  # maybe half a CR-LF: kept until the next read says
+        *events, rest = (data[:-1] if cr else data).replace(b"\r\n", b"\n").split(b"\n\n")
+        self.buffer = rest + (b"\r" if cr else b"")
         out = []
         for event in events:
             lines = [ln[5:].removeprefix(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
@@ -140,7 +137,9 @@ def _exception_reason(e: BaseException, read_timeout_s: float | None) -> str:
     if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return f"timeout: no byte from the server for {read_timeout_s:g} s"
     if isinstance(e, aiohttp.ClientConnectorError):
-        return f"cannot connect: {e.os_error.strerror or e.os_error}" if e.os_error else "cannot connect"
+        if isinstance(e.os_error, ConnectionRefusedError):
+            return f"connection refused by {e.host}:{e.port} (is the server running?)"
+        return f"cannot connect to {e.host}:{e.port} ({e.os_error.strerror or e.os_error})"
     if isinstance(e, aiohttp.ServerDisconnectedError):
         return "the server closed the connection"
     if isinstance(e, aiohttp.ClientPayloadError):
@@ -152,7 +151,7 @@ def _exception_reason(e: BaseException, read_timeout_s: float | None) -> str:
     return f"{type(e).__name__}: {e}"[:ERROR_TEXT_CHARS]
 
 
-async def stream_request(session: aiohttp.ClientSession, shape: RequestShape, prompt: Prompt,
+async def stream_request(session: aiohttp.ClientSession, base_url: str, shape: RequestShape, prompt: Prompt,
                          read_timeout_s: float | None = None) -> RequestResult:
     """Send one streamed request and time its chunks. Never raises for what the server does: a failure is a
     result with its reason."""
@@ -163,7 +162,7 @@ async def stream_request(session: aiohttp.ClientSession, shape: RequestShape, pr
     chunks = 0
     finished = done = False
     try:
-        async with session.post(shape.path, json=payload) as response:
+        async with session.post(base_url + shape.path, json=payload) as response:
             result.anatomy_id = response.headers.get("x-anatomy-id")
             if response.status != 200:
                 result.error = _error_reason(response.status, await response.content.read(4096))
@@ -222,8 +221,8 @@ async def list_models(base_url: str, api_key: str | None) -> list[dict]:
     does not answer as an OpenAI-compatible server does."""
     where = f"{base_url}/v1/models"
     try:
-        async with new_session(base_url, 1, PREFLIGHT_TIMEOUT_S, api_key, PREFLIGHT_TIMEOUT_S) as session:
-            async with session.get("/v1/models", timeout=aiohttp.ClientTimeout(total=PREFLIGHT_TIMEOUT_S)) as r:
+        async with new_session(1, PREFLIGHT_TIMEOUT_S, api_key, PREFLIGHT_TIMEOUT_S) as session:
+            async with session.get(where, timeout=aiohttp.ClientTimeout(total=PREFLIGHT_TIMEOUT_S)) as r:
                 body = await r.read()
                 status = r.status
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -252,10 +251,10 @@ async def probe(base_url: str, shape: RequestShape, prompt: Prompt, api_key: str
     tries = dict.fromkeys([(shape.ignore_eos, shape.include_usage), (False, shape.include_usage),
                            (shape.ignore_eos, False), (False, False)])
     first_error = None
-    async with new_session(base_url, 1, read_timeout_s, api_key, PREFLIGHT_TIMEOUT_S) as session:
+    async with new_session(1, read_timeout_s, api_key, PREFLIGHT_TIMEOUT_S) as session:
         for ignore_eos, include_usage in tries:
             attempt = RequestShape(shape.endpoint, shape.model, ignore_eos, include_usage)
-            result = await stream_request(session, attempt, short, read_timeout_s)
+            result = await stream_request(session, base_url, attempt, short, read_timeout_s)
             if result.ok:
                 notes = []
                 if shape.ignore_eos and not ignore_eos:

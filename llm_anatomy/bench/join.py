@@ -20,10 +20,10 @@ from .metrics import distribution_ms
 FETCH_CONCURRENCY = 16
 
 
-async def _fetch(session: aiohttp.ClientSession, anatomy_id: str) -> dict | str:
+async def _fetch(session: aiohttp.ClientSession, base_url: str, anatomy_id: str) -> dict | str:
     """The anatomy's summary (Anatomy.summary()), or why not."""
     try:
-        async with session.get(f"/v1/anatomy/{anatomy_id}") as r:
+        async with session.get(f"{base_url}/v1/anatomy/{anatomy_id}") as r:
             if r.status == 404:
                 return "not in the server's store (older than its --keep-anatomies newest)"
             if r.status != 200:
@@ -37,12 +37,12 @@ async def _fetch(session: aiohttp.ClientSession, anatomy_id: str) -> dict | str:
         return f"not an anatomy this version reads ({str(e)[:100]})"
 
 
-async def fetch_summaries(session: aiohttp.ClientSession, ids: list[str]) -> dict[str, dict | str]:
+async def fetch_summaries(session: aiohttp.ClientSession, base_url: str, ids: list[str]) -> dict[str, dict | str]:
     gate = asyncio.Semaphore(FETCH_CONCURRENCY)
 
     async def one(anatomy_id: str):
         async with gate:
-            return anatomy_id, await _fetch(session, anatomy_id)
+            return anatomy_id, await _fetch(session, base_url, anatomy_id)
 
     return dict(await asyncio.gather(*(one(i) for i in ids)))
 

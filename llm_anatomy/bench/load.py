@@ -42,14 +42,16 @@ class LevelRun:
 
 
 def poisson_arrivals(n: int, rate: float, seed: int | str) -> list[float]:
-    """Send times (s from the level's start) of n requests: the first at 0, then exponential gaps of mean
-    1/rate, drawn from a generator seeded with `seed`."""
+    """Send times (s from the level's start) of n requests: the first at 0, then exponential gaps drawn from a
+    generator seeded with `seed`, scaled (as vLLM's benchmark scales them) so that the last is at (n - 1) / rate:
+    the level's mean rate is the rate asked for, whatever the draw, and the gaps keep their Poisson shape."""
     rng = random.Random(seed)
     times, t = [0.0], 0.0
     for _ in range(n - 1):
         t += rng.expovariate(rate)
         times.append(t)
-    return times
+    scale = (n - 1) / rate / t if t > 0 else 1.0
+    return [x * scale for x in times]
 
 
 class _InFlight:

@@ -53,7 +53,11 @@ def _pct(x) -> str:
 
 
 def _mean_max(x) -> str:
-    return "-" if not x else f"{fmt(x['mean'])} / {fmt(x['max'])}"
+    """Gauges' mean / max over a level's scrapes (a count of requests comes back from Prometheus as a float)."""
+    if not x:
+        return "-"
+    peak = int(x["max"]) if float(x["max"]).is_integer() else x["max"]
+    return f"{fmt(x['mean'])} / {fmt(peak)}"
 
 
 Row = tuple[str, str, Callable[[dict], str]]  # section, label, cell
@@ -87,6 +91,7 @@ def _rows(run: BenchRun) -> list[Row]:
         ("server", "KV cache usage mean / max", lambda lv: "-" if not _at(lv, "server.kv_cache_usage") else
          f"{_pct(lv['server']['kv_cache_usage']['mean'])} / {_pct(lv['server']['kv_cache_usage']['max'])}"),
         ("server", "queue time mean (ms)", f("server.queue_ms_mean")),
+        ("server", "prefill mean (ms)", f("server.prefill_ms_mean")),
         ("server", "TTFT mean (ms)", f("server.ttft_ms_mean")),
         ("server", "ITL mean (ms)", f("server.itl_ms_mean")),
         ("server", "e2e mean (ms)", f("server.e2e_ms_mean")),

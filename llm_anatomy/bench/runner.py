@@ -95,15 +95,15 @@ async def _preflight(config: BenchConfig, run: BenchRun, entries) -> tuple[Scrap
         run.notes.append("the server is llm-anatomy: --anatomy joins each request's server-side anatomy")
 
     scraper = None
-    metrics_session = new_session(config.url, 2, 5.0, config.api_key)  # its own: never one of the run's
-    samples = await scrape(metrics_session)
+    metrics_session = new_session(2, 5.0, config.api_key)  # its own: never one of the run's connections
+    samples = await scrape(metrics_session, config.url)
     prefix = flavour(samples) if isinstance(samples, dict) else None
     if prefix is None:
         why = samples if isinstance(samples, str) else f"no {', '.join(PREFIXES)} series in GET /metrics"
         run.notes.append(f"no server view: {why}")
         await metrics_session.close()
     else:
-        scraper = Scraper(metrics_session, prefix, config.scrape_interval_s)
+        scraper = Scraper(metrics_session, config.url, prefix, config.scrape_interval_s)
 
     meter = None
     if not config.gpu_energy:
@@ -135,9 +135,9 @@ async def _level(config: BenchConfig, run: BenchRun, i: int, level: Level, entri
         watch = ServerWatch(scraper.prefix, before)
     poller = asyncio.create_task(scraper.poll(watch)) if watch is not None and config.scrape_interval_s > 0 else None
     e0 = meter.read(time.perf_counter()) if meter is not None else None
-    async with new_session(config.url, connections, config.timeout_s, config.api_key) as session:
+    async with new_session(connections, config.timeout_s, config.api_key) as session:
         async def send(prompt):
-            return await stream_request(session, run.shape, prompt, config.timeout_s)
+            return await stream_request(session, config.url, run.shape, prompt, config.timeout_s)
 
         ran = await run_level(level, prompts, send, f"{config.seed}/arrivals{i}", done)
     e1 = meter.read(time.perf_counter()) if meter is not None else None
@@ -150,17 +150,17 @@ async def _level(config: BenchConfig, run: BenchRun, i: int, level: Level, entri
            "max_in_flight": ran.max_in_flight, "client_cpu": ran.client_cpu,
            "achieved_request_rate": (n - 1) / ran.send_span_s if level.request_rate and ran.send_span_s > 0 else None}
     out["gpu"] = energy_view(e0, e1, meter.names, out["output_tokens"]) if meter is not None else None
+    out["server"] = None
     if watch is not None:
         await scraper.finish(watch, out["completed"])
-        out["server"] = watch.view()
-    else:
-        out["server"] = None
+        out["server"] = watch.view() if watch.after is not None else None
     out["anatomy"] = None
     if config.anatomy:
         ids = [r.anatomy_id for r in ran.results if r.ok and r.anatomy_id]
-        async with new_session(config.url, 16, config.timeout_s, config.api_key) as session:
-            out["anatomy"] = joined_view(ran.results, await fetch_summaries(session, ids))
-    out["notes"] = []
+        async with new_session(16, config.timeout_s, config.api_key) as session:
+            out["anatomy"] = joined_view(ran.results, await fetch_summaries(session, config.url, ids))
+    out["notes"] = [] if watch is None or watch.after is not None else ["GET /metrics failed after the level: "
+                                                                        "no server view for it"]
     if ran.client_cpu > CLIENT_BUSY:
         out["notes"].append(f"the client's CPU was {ran.client_cpu:.0%} busy: its own pace may limit these figures")
     if watch is not None and not watch.settled:
@@ -172,6 +172,10 @@ async def _level(config: BenchConfig, run: BenchRun, i: int, level: Level, entri
 async def run_bench(config: BenchConfig, console: Console | None = None) -> BenchRun:
     """Run every level; BenchError (before any load) if the server cannot be benchmarked as asked."""
     entries = load_dataset(config.dataset) if config.dataset is not None else None
+    most = max(config.num_prompts or default_num_prompts(level) for level in config.levels)
+    if entries is not None and most > len(entries):
+        raise BenchError(f"the dataset has {len(entries)} usable prompts and a level needs {most}: give "
+                         f"--num-prompts <= {len(entries)}")
     run = BenchRun(config, model=config.model or "")
     scraper, meter = await _preflight(config, run, entries)
     progress = Progress(TextColumn("{task.description:>18}"), BarColumn(), MofNCompleteColumn(),

@@ -92,8 +92,10 @@ class Snapshot:
 
 
 def _delta(before: Snapshot, after: Snapshot, role: str, suffix: str = "") -> float | None:
+    """A counter's growth; a series that first appears after `before` grew from 0 (servers create labelled
+    series on first use)."""
     a, b = before.total(role, suffix), after.total(role, suffix)
-    return None if a is None or b is None else b - a
+    return None if b is None else b - (a or 0.0)
 
 
 def _mean_max(values: list[float]) -> dict | None:
@@ -135,10 +137,10 @@ class ServerWatch:
         return out
 
 
-async def scrape(session: aiohttp.ClientSession) -> dict[str, list[float]] | str:
+async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, list[float]] | str:
     """The parsed /metrics, or why not (a string)."""
     try:
-        async with session.get("/metrics") as r:
+        async with session.get(base_url + "/metrics") as r:
             if r.status != 200:
                 return f"GET /metrics answered HTTP {r.status}"
             text = await r.text()
@@ -153,11 +155,11 @@ async def scrape(session: aiohttp.ClientSession) -> dict[str, list[float]] | str
 class Scraper:
     """Scrapes one server through its own small client (never taking one of the benchmark's connections)."""
 
-    def __init__(self, session: aiohttp.ClientSession, prefix: str, interval_s: float):
-        self.session, self.prefix, self.interval_s = session, prefix, interval_s
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, prefix: str, interval_s: float):
+        self.session, self.base_url, self.prefix, self.interval_s = session, base_url, prefix, interval_s
 
     async def snapshot(self) -> Snapshot | None:
-        samples = await scrape(self.session)
+        samples = await scrape(self.session, self.base_url)
         return Snapshot(samples, self.prefix, time.perf_counter()) if isinstance(samples, dict) else None
 
     async def poll(self, watch: ServerWatch) -> None:
