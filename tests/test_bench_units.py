@@ -303,7 +303,8 @@ def test_nvml_energy_counter_reads_on_a_gpu():
     try:
         a = meter.read(0.0)
         b = meter.read(1.0)
-        assert set(a.millijoules) == set(meter.names) and all(b.millijoules[i] >= a.millijoules[i] for i in a.millijoules)
+        assert set(a.millijoules) == set(meter.names)
+        assert all(b.millijoules[i] >= a.millijoules[i] for i in a.millijoules)
     finally:
         meter.close()
     bad, why = GpuEnergyMeter.open((999,))

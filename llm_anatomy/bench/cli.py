@@ -6,7 +6,6 @@ Every flag is checked before any request is sent; a bad one is one line on stder
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import math
 import os
@@ -250,6 +249,8 @@ def _allow_open_files(config) -> None:
 
 def cmd_bench(args) -> int:
     """Run the benchmark the flags describe; exit status 0, or 1 if no request at all succeeded."""
+    import asyncio
+
     from rich.console import Console
 
     from .report import print_report, write_html, write_json

@@ -124,7 +124,7 @@ def table_cells(run: BenchRun) -> list[tuple[str, str, list[str]]]:
 def title(run: BenchRun) -> str:
     c = run.config
     source = f"dataset {c.dataset.name}" if c.dataset else f"random {c.input_tokens} in"
-    out = f"{c.output_tokens} out" if c.output_tokens or not c.dataset else "the dataset's output lengths"
+    out = f"{c.output_tokens or 128} out" if c.output_tokens or not c.dataset else "the dataset's output lengths"
     return f"{run.model} at {c.url} - /v1/{'chat/completions' if c.endpoint == 'chat' else 'completions'}, " \
            f"{source} / {out}"
 
@@ -156,12 +156,13 @@ def to_json(run: BenchRun) -> dict:
     c = run.config
     return {
         "tool": f"llm-anatomy {__version__} bench", "url": c.url, "model": run.model, "endpoint": c.endpoint,
-        "settings": {"dataset": str(c.dataset) if c.dataset else None, "input_tokens": None if c.dataset else
-                     c.input_tokens, "output_tokens": c.output_tokens, "num_prompts": c.num_prompts,
-                     "seed": c.seed, "slo": c.slo, "timeout_s": c.timeout_s,
-                     "ignore_eos": run.shape.ignore_eos if run.shape else c.ignore_eos,
-                     "include_usage": run.shape.include_usage if run.shape else True,
-                     "percentiles": "numpy linear interpolation (numpy.percentile's default)"},
+        "settings": {
+            "dataset": str(c.dataset) if c.dataset else None, "input_tokens": None if c.dataset else c.input_tokens,
+            "output_tokens": c.output_tokens or (None if c.dataset else 128), "num_prompts": c.num_prompts,
+            "seed": c.seed, "slo": c.slo, "timeout_s": c.timeout_s,
+            "ignore_eos": run.shape.ignore_eos if run.shape else c.ignore_eos,
+            "include_usage": run.shape.include_usage if run.shape else True,
+            "percentiles": "numpy linear interpolation (numpy.percentile's default)"},
         "notes": run.notes,
         "levels": run.levels,
     }
@@ -175,10 +176,11 @@ def write_json(run: BenchRun, path: Path) -> None:
 # Figures are plotly's JSON (data + layout) built directly: go.Figure would validate and deep-copy the theme for
 # each of them (a third of a second apiece); the page applies the one theme to all.
 
-def _layout(title_text: str, x_title: str, log_x: bool, **kw) -> dict:
+def _layout(title_text: str, xs: list, x_title: str, log_x: bool, **kw) -> dict:
     layout = dict(title=dict(text=title_text, x=0.01, font=dict(size=15)), height=330,
-                  margin=dict(l=70, r=30, t=50, b=50), hovermode="x unified",
-                  xaxis=dict(title=dict(text=x_title), type="log" if log_x else "linear"), legend=dict(orientation="h"))
+                  margin=dict(l=70, r=70, t=60, b=50), hovermode="x unified",
+                  xaxis=dict(title=dict(text=x_title), type="log" if log_x else "linear", tickvals=xs),
+                  legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1))
     layout.update(kw)
     return layout
 
@@ -195,7 +197,7 @@ def _figures(run: BenchRun) -> dict[str, dict]:
     log_x = min(xs) > 0 and max(xs) / min(xs) >= 8
 
     def figure(title_text: str, traces: list[dict], **layout) -> dict:
-        return {"data": traces, "layout": _layout(title_text, x_title, log_x, **layout)}
+        return {"data": traces, "layout": _layout(title_text, xs, x_title, log_x, **layout)}
 
     def y(path: str) -> list:
         return [_at(lv, path) for lv in levels]
@@ -217,7 +219,7 @@ def _figures(run: BenchRun) -> dict[str, dict]:
             _line(xs, y("server.requests_running.mean"), "running (mean)"),
             _line(xs, y("server.requests_waiting.mean"), "waiting (mean)"),
             _line(xs, y("server.kv_cache_usage.max"), "KV usage (max)", yaxis="y2", line=dict(dash="dot"))],
-            yaxis=axis("requests"), yaxis2=axis("KV cache usage", overlaying="y", side="right", tickformat=".0%"))
+            yaxis=axis("requests"), yaxis2=axis("KV cache usage", overlaying="y", side="right", tickformat=".1%"))
     energy = [_line(xs, y(path), name) for name, path in (
         ("local GPU (NVML)", "gpu.j_per_output_token"), ("server's GPU counter", "server.j_per_output_token"),
         ("anatomies (attributed)", "anatomy.j_per_output_token")) if any(v is not None for v in y(path))]
