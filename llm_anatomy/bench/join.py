@@ -1,0 +1,97 @@
+"""--anatomy: each request's server-side anatomy (an llm-anatomy server names it in the `x-anatomy-id` header
+and serves it at GET /v1/anatomy/{id}) joined to the client's timing of the same request.
+
+The anatomies are fetched after the level, not during it, so that fetching them adds no load to what is
+measured; the server keeps its newest --keep-anatomies, so a level larger than that loses its first ones
+(counted, with the reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import aiohttp
+
+from ..anatomy import Anatomy
+from .client import RequestResult
+from .metrics import distribution_ms
+
+FETCH_CONCURRENCY = 16
+
+
+async def _fetch(session: aiohttp.ClientSession, base_url: str, anatomy_id: str) -> dict | str:
+    """The anatomy's summary (Anatomy.summary()), or why not."""
+    try:
+        async with session.get(f"{base_url}/v1/anatomy/{anatomy_id}") as r:
+            if r.status == 404:
+                return "not in the server's store (older than its --keep-anatomies newest)"
+            if r.status != 200:
+                return f"GET /v1/anatomy answered HTTP {r.status}"
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return f"GET /v1/anatomy failed: {type(e).__name__}"
+    try:
+        return Anatomy.from_json(text).summary()
+    except (ValueError, KeyError, TypeError) as e:
+        return f"not an anatomy this version reads ({str(e)[:100]})"
+
+
+async def fetch_summaries(session: aiohttp.ClientSession, base_url: str, ids: list[str]) -> dict[str, dict | str]:
+    gate = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+    async def one(anatomy_id: str):
+        async with gate:
+            return anatomy_id, await _fetch(session, base_url, anatomy_id)
+
+    return dict(await asyncio.gather(*(one(i) for i in ids)))
+
+
+def _row(r: RequestResult, s: dict) -> dict:
+    """One request seen from both sides (ms)."""
+    prefill, batching = s.get("prefill") or {}, s.get("batching") or {}
+    return {
+        "id": s["id"],
+        "client_ttft_ms": r.ttft_s * 1e3, "server_ttft_ms": s.get("ttft_ms"),
+        "client_e2e_ms": r.e2e_s * 1e3, "server_e2e_ms": s.get("e2e_ms"),
+        "queue_ms": s.get("queue_ms"), "prefill_ms": prefill.get("gpu_ms"),
+        "prefill_batch_size": prefill.get("batch_size"),
+        "mean_batch_size": batching.get("mean_batch_size"), "max_batch_size": batching.get("max_batch_size"),
+        "preemptions": batching.get("preemptions"), "output_tokens": s.get("output_tokens"),
+        "energy_j": s.get("energy_j"),
+    }
+
+
+def joined_view(results: list[RequestResult], summaries: dict[str, dict | str]) -> dict:
+    """Per request rows and their distributions. `ttft_gap_ms` is client TTFT - server TTFT: the network, HTTP
+    and SSE framing, and whatever the server did before its own clock started."""
+    rows, missing = [], Counter()
+    for r in results:
+        if not r.ok:
+            continue
+        s = summaries.get(r.anatomy_id) if r.anatomy_id else "no x-anatomy-id header"
+        if isinstance(s, dict):
+            rows.append(_row(r, s))
+        else:
+            missing[s or "not fetched"] += 1
+
+    def values(key: str) -> list[float]:
+        return [row[key] / 1e3 for row in rows if row[key] is not None]  # distribution_ms takes seconds
+
+    gaps = [(row["client_ttft_ms"] - row["server_ttft_ms"]) / 1e3 for row in rows if row["server_ttft_ms"] is not None]
+    batch = [row["mean_batch_size"] for row in rows if row["mean_batch_size"] is not None]
+    energy = [row["energy_j"] for row in rows if row["energy_j"] is not None]
+    tokens = sum(row["output_tokens"] or 0 for row in rows if row["energy_j"] is not None)
+    return {
+        "joined": len(rows), "missing": dict(missing.most_common()),
+        "server_ttft_ms": distribution_ms(values("server_ttft_ms")),
+        "ttft_gap_ms": distribution_ms(gaps),
+        "queue_ms": distribution_ms(values("queue_ms")),
+        "prefill_ms": distribution_ms(values("prefill_ms")),
+        "mean_batch_size": sum(batch) / len(batch) if batch else None,
+        "max_batch_size": max((row["max_batch_size"] for row in rows if row["max_batch_size"] is not None),
+                              default=None),
+        "preemptions": sum(row["preemptions"] or 0 for row in rows),
+        "j_per_output_token": sum(energy) / tokens if energy and tokens else None,
+        "requests": rows,
+    }
