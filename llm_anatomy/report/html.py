@@ -21,6 +21,7 @@ from plotly.offline import get_plotlyjs
 
 from llm_anatomy.report import finite, startup_text
 from llm_anatomy.anatomy import Anatomy, GpuSample
+from llm_anatomy.probe.memory import census_rows
 
 STEP_ROWS = 20  # the per-step table shows the first and last STEP_ROWS steps when there are more than 2x that
 
@@ -28,9 +29,10 @@ PHASE_COLORS = {
     "parse": "#9e9e9e", "template": "#8d6e63", "tokenize": "#ab47bc", "queue": "#ffb300",
     "prefill": "#e53935", "decode": "#1e88e5", "detokenize": "#43a047", "e2e": "#546e7a",
 }
-CENSUS_COLORS = {
-    "weights": "#5e35b1", "KV pool": "#1e88e5", "CUDA graphs": "#00897b", "other allocated": "#fb8c00",
-    "allocator free": "#fdd835", "context and other": "#8d6e63", "free": "#cfd8dc",
+CENSUS_COLORS = {  # by the labels of probe.memory.census_rows (GPU and host)
+    "weights": "#5e35b1", "KV pool": "#1e88e5", "CUDA graphs": "#00897b", "other tensors": "#fb8c00",
+    "allocator reserved, free": "#fdd835", "CUDA context and others": "#8d6e63", "free": "#cfd8dc",
+    "rest of this process": "#fb8c00", "other processes, the OS and its caches": "#8d6e63", "available": "#cfd8dc",
 }
 CHART_CONFIG = {"displaylogo": False, "responsive": True}
 
@@ -326,10 +328,11 @@ def _kv_figure(a: Anatomy) -> go.Figure | None:
 
 
 def _census_rows(a: Anatomy) -> list[tuple[str, int]]:
-    m = a.memory
-    return [("weights", m.weights), ("KV pool", m.kv_pool), ("CUDA graphs", m.cuda_graphs),
-            ("other allocated", m.other_allocated), ("allocator free", m.allocator_free),
-            ("context and other", m.context_and_other), ("free", m.free)]
+    return census_rows(a.memory)
+
+
+def _memory_name(a: Anatomy) -> str:
+    return "host RAM" if a.memory.kind == "host" else "GPU memory"
 
 
 def _census_figure(a: Anatomy) -> go.Figure | None:
@@ -339,14 +342,14 @@ def _census_figure(a: Anatomy) -> go.Figure | None:
         return None
     fig = go.Figure()
     for name, v in rows:
-        fig.add_trace(go.Bar(orientation="h", y=["device memory"], x=[v / 2**30], name=name,
+        fig.add_trace(go.Bar(orientation="h", y=[_memory_name(a)], x=[v / 1e9], name=name,
                              marker=dict(color=CENSUS_COLORS.get(name, "#90a4ae")),
                              customdata=[[v / total * 100]],
-                             hovertemplate=f"{_plot_text(name)}: %{{x:.2f}} GiB (%{{customdata[0]:.1f}}%)"
+                             hovertemplate=f"{_plot_text(name)}: %{{x:.2f}} GB (%{{customdata[0]:.1f}}%)"
                                            "<extra></extra>"))
-    fig.update_layout(**_base_layout(f"Memory census: {total / 2**30:.2f} GiB in total", height=240,
+    fig.update_layout(**_base_layout(f"Memory census: {total / 1e9:.2f} GB of {_memory_name(a)}", height=240,
                                      barmode="stack"),
-                      xaxis=dict(title="GiB", range=[0, max(total, sum(v for _, v in rows)) / 2**30]),
+                      xaxis=dict(title="GB", range=[0, max(total, sum(v for _, v in rows)) / 1e9]),
                       yaxis=dict(showticklabels=False))
     return fig
 
@@ -726,7 +729,7 @@ _TEMPLATE = r"""{% macro step_row(r) %}
 
 <section>
   <h2>Memory census</h2>
-  <p class="why">Where every byte of device memory is: the rows sum to the total. Measured by {{ a.memory.source }}.</p>
+  <p class="why">Where every byte of {{ 'host RAM' if a.memory.kind == 'host' else 'GPU memory' }} is: the rows sum to the total. Measured by {{ a.memory.source }}.</p>
   {% if charts.census %}<div class="chart" id="chart-census"></div>{% endif %}
   {% if not census_ok %}<div class="warn">The rows sum to {{ census_sum }} bytes, not the total {{ census_total }}.</div>{% endif %}
   <table><tr><th class="l">row</th><th>bytes</th><th>size</th><th>share</th></tr>

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..anatomy import Anatomy, Roofline
+from ..probe.memory import census_rows
 from . import startup_text
 
 
@@ -117,10 +118,7 @@ def render(a: Anatomy, console: Console | None = None) -> None:
     census.add_column("where")
     census.add_column("bytes", justify="right")
     census.add_column("share", justify="right")
-    rows = [("weights", mem.weights), ("KV pool", mem.kv_pool), ("CUDA graphs", mem.cuda_graphs),
-            ("other tensors", mem.other_allocated), ("allocator reserved, free", mem.allocator_free),
-            ("CUDA context and others", mem.context_and_other), ("free", mem.free)]
-    for name, value in rows:
+    for name, value in census_rows(mem):
         census.add_row(name, gb(value), pct(value / mem.total))
     census.add_row("[bold]total[/bold]", gb(mem.total), "100%")
     c.print()
