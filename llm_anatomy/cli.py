@@ -436,7 +436,8 @@ COMMANDS = (add_call, add_serve, add_calibrate, add_report)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="llm-anatomy", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="llm-anatomy", description="One LLM API call on your own GPU, and exactly what happens "
+                                                    "inside it. Units are decimal: 1 GB = 1e9 bytes, TB/s, TFLOP/s.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)

@@ -613,7 +613,7 @@ def busy_reasons(readings: Readings) -> tuple[str, ...]:
         reasons.append(f"{readings.other_processes} other process(es) on the GPU (NVML)")
     for what, value in readings.spreads.items():
         if value > MAX_SPREAD:
-            reasons.append(f"the {what} repeats disagree (interquartile range {value:.0%} of the median)")
+            reasons.append(f"the {what} repeats disagree: their interquartile range is {value:.0%} of the median")
     for what, value in readings.of_datasheet.items():
         if value < MIN_OF_DATASHEET:
             reasons.append(f"the {what} is {value:.0%} of the datasheet's")
@@ -858,7 +858,7 @@ def format_ceilings(c: Ceilings) -> str:
                        "sustained, MFU's denominator" if c.matmul_tflops else ""))
     if c.matmul_burst_tflops:
         lines.append(_line("  first 0.1 s", c.matmul_burst_tflops, c.datasheet_tflops, _tflops,
-                           "the burst, before the power limit lowers the clocks"))
+                           "the burst (a GPU's power limit lowers its clocks after it)"))
     ridge = c.ridge
     if ridge is not None:
         text = f"  {'ridge point':<18}{ridge:.0f} FLOP/byte"
