@@ -33,7 +33,7 @@ def _weights(value: str) -> str:
     raise argparse.ArgumentTypeError(f"is not a directory: {value}; use auto, synthetic or a checkpoint directory")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, kv_default: str) -> None:
     p.add_argument("--model", type=nonempty, help=f"hub id, preset or checkpoint dir (default: {GPU_DEFAULT_MODEL} "
                                                    f"on a CUDA GPU, {CPU_DEFAULT_MODEL} without one)")
     p.add_argument("--weights", default="auto", type=_weights,
@@ -41,8 +41,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=nonempty, help="cpu, cuda or cuda:N (default: cuda if there is one)")
     p.add_argument("--dtype", type=nonempty, help="bfloat16, float16 or float32 (default: the model's, bfloat16 "
                                                   "for Qwen3)")
-    p.add_argument("--kv-cache-tokens", type=integer(1), help="size the KV pool for this many tokens (default: from "
-                                                              "free memory on a GPU; on the host, what the call needs)")
+    p.add_argument("--kv-cache-tokens", type=integer(1),
+                   help=f"size the KV pool for this many tokens (default: from free memory on a GPU; {kv_default})")
 
 
 def _add_no_calibrate(p: argparse.ArgumentParser) -> None:
@@ -107,7 +107,7 @@ def add_call(sub) -> None:
     call.add_argument("--system", type=nonempty, help="a system message to put first")
     call.add_argument("--raw-prompt", action="store_true", help="send PROMPT as is, without the chat template")
     call.add_argument("--no-thinking", action="store_true", help="enable_thinking=False in the chat template")
-    _add_model_args(call)
+    _add_model_args(call, "on the host, what this call needs")
     s = call.add_argument_group("sampling (unset values take the model's generation_config.json)")
     s.add_argument("--max-tokens", type=integer(1), default=256, help="most tokens to generate (default 256)")
     s.add_argument("--temperature", type=real(0), help=">= 0; 0 is greedy")
@@ -284,7 +284,7 @@ def add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="an OpenAI-compatible server; every response carries its own anatomy",
                          description="An OpenAI-compatible server; every response carries its own anatomy.")
     srv.add_argument("model_name", nargs="?", metavar="MODEL", type=nonempty, help="as --model")
-    _add_model_args(srv)
+    _add_model_args(srv, "on the host, an eighth of the available memory, at most 2^30 bytes (1.07 GB)")
     srv.add_argument("--host", default="127.0.0.1", type=nonempty,
                      help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on (default 8000)")
@@ -317,6 +317,19 @@ def add_serve(sub) -> None:
     srv.set_defaults(handler=cmd_serve)
 
 
+def _serve_preflight(args, model: str) -> None:
+    """What the config alone can refuse, before any weights load."""
+    from .hub import resolve
+    from .models.config import ModelConfig, parse_dtype
+
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
+    context = ModelConfig.from_hf(resolve(model).config).max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise AnatomyError(f"--max-model-len {args.max_model_len} is more than the context of {model} ({context} "
+                           f"tokens); give at most {context} or leave it out")
+
+
 def cmd_serve(args) -> int:
     from .progress import ProgressLine
     from .server.app import serve
@@ -328,11 +341,8 @@ def cmd_serve(args) -> int:
         raise AnatomyError("--gpu-memory-utilization sizes the KV pool from GPU memory: it cannot be used "
                            + ("on the CPU" if device.type != "cuda" else "with --kv-cache-tokens")
                            + "; use --kv-cache-tokens")
-    if args.dtype is not None:
-        from .models.config import parse_dtype
-
-        parse_dtype(args.dtype)
     model = args.model_name or args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
+    _serve_preflight(args, model)
     with ProgressLine() as progress:
         engine = _load_engine(model, progress, device=device, dtype=args.dtype, weights=args.weights,
                               kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
@@ -414,8 +424,9 @@ def load_anatomy(path: Path):
     except (AttributeError, ValueError):
         raise AnatomyError(f"{path} is not an Anatomy JSON: schema_version is {version!r}") from None
     if version != SCHEMA_VERSION:
+        fix = "upgrade llm-anatomy" if newer else "run the call again"
         raise AnatomyError(f"{path} is an anatomy of schema_version {version}, which this llm-anatomy does not read "
-                           f"(it reads {SCHEMA_VERSION}): " + ("upgrade llm-anatomy" if newer else "run the call again"))
+                           f"(it reads {SCHEMA_VERSION}): {fix}")
     try:
         return pydantic.TypeAdapter(Anatomy).validate_python(data)
     except pydantic.ValidationError as e:

@@ -172,7 +172,8 @@ def test_an_idle_device_has_no_busy_reasons():
 
 @pytest.mark.parametrize("readings, words", [
     (C.Readings(other_processes=2), "2 other process(es) on the GPU"),
-    (C.Readings(spreads={"read": 0.01, "GEMV": 0.4}), "the GEMV repeats disagree: their interquartile range is 40% of the median"),
+    (C.Readings(spreads={"read": 0.01, "GEMV": 0.4}),
+     "the GEMV repeats disagree: their interquartile range is 40% of the median"),
     (C.Readings(of_datasheet={"sustained matmul rate": 0.3}), "the sustained matmul rate is 30% of the datasheet's"),
 ])
 def test_busy_readings_are_named(readings, words):

@@ -195,6 +195,17 @@ def test_bad_serve_flags_are_refused_while_parsing(capsys, no_config_read, argv,
     assert_refused(code, err, message)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--max-model-len", "100000"], "--max-model-len 100000 is more than the context"),
+    (["--dtype", "int3"], "unknown dtype 'int3'"),
+    (["--gpu-memory-utilization", "0.5"], "cannot be used on the CPU"),
+])
+def test_bad_serve_settings_are_refused_before_the_weights_load(capsys, checkpoint, no_loading, argv, message):
+    code, _, err = run(capsys, "serve", checkpoint, "--device", "cpu", "--no-calibrate", *argv)
+    assert_refused(code, err, message)
+    assert no_loading == []
+
+
 def test_serve_run_dir_must_be_writable(capsys, tmp_path, no_config_read):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -43,9 +43,9 @@ from ..anatomy import Ceilings
 from ..disk_cache import cache_file, read_entries, write_entry
 
 __all__ = [
-    "DATASHEETS", "Calibration", "GpuDatasheet", "Readings", "busy_reasons", "cache_path", "cached_ceilings",
-    "calibrate", "datasheet_ceilings", "device_key", "device_name", "format_ceilings", "load_or_calibrate",
-    "lookup_datasheet", "measure", "other_processes", "store_ceilings",
+    "DATASHEETS", "Calibration", "GpuDatasheet", "MatmulRates", "Readings", "busy_reasons", "cache_path",
+    "cached_ceilings", "calibrate", "datasheet_ceilings", "device_key", "device_name", "format_ceilings",
+    "load_or_calibrate", "lookup_datasheet", "matmul_rates", "measure", "other_processes", "spread", "store_ceilings",
 ]
 
 log = logging.getLogger(__name__)
