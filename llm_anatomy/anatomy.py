@@ -164,6 +164,7 @@ class MemoryCensus:
     free: int
     activation_peak: int | None  # transient: peak allocated above the resident tensors during the call (None: not measured)
     source: str  # how it was measured
+    kind: str = "device"  # device (a GPU's memory) | host (RAM: the engine ran on the CPU)
 
 
 @dataclass
@@ -203,11 +204,12 @@ class Ceilings:
     device: str
     read_gbps: float | None  # measured
     gemv_gbps: float | None
-    matmul_tflops: float | None
+    matmul_tflops: float | None  # sustained: seconds of products back to back, under the power limit (MFU's)
     datasheet_gbps: float | None
     datasheet_tflops: float | None
     datasheet_source: str = ""
     measured_at: str = ""  # date of the calibration, or "" if not calibrated
+    matmul_burst_tflops: float | None = None  # the first 0.1 s of the same products, before the clocks drop
 
     @property
     def ridge(self) -> float | None:

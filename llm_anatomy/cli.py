@@ -1,16 +1,24 @@
 """The commands: call (one measured chat completion), serve (an OpenAI-compatible server that measures every
-call), calibrate (this device's ceilings), report (re-render a saved anatomy)."""
+call), calibrate (this device's ceilings), report (re-render a saved anatomy).
+
+Each command is an `add_<name>(subparsers)` that builds its parser and sets its handler; a command kept in
+another module does the same (`add_parser(subparsers)`) and joins COMMANDS. Everything that can be checked
+before a model loads is checked then: each flag by its type while parsing (llm_anatomy/cli_types.py), the rest
+in the command's pre-flight. Units are decimal throughout (1 GB = 1e9 bytes, TB/s, TFLOP/s)."""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from .cli_types import INT64_MAX, INT64_MIN, Parser, input_file, integer, nonempty, output_dir, output_file, real
 from .errors import AnatomyError, RequestError
 
 DEFAULT_PROMPT = "Explain in one paragraph what a KV cache is and why it makes decoding fast."
@@ -18,90 +26,107 @@ GPU_DEFAULT_MODEL = "Qwen/Qwen3-8B"
 CPU_DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"hub id, preset or checkpoint dir (default: {GPU_DEFAULT_MODEL} on a CUDA GPU, "
-                                   f"{CPU_DEFAULT_MODEL} without one)")
-    p.add_argument("--weights", default="auto", help="auto (real if found locally, else synthetic), synthetic, or DIR")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if there is one)")
-    p.add_argument("--dtype", help="bfloat16, float16 or float32 (default: the model's, bfloat16 for Qwen3)")
-    p.add_argument("--kv-cache-tokens", type=int, help="size the KV pool for this many tokens (default: from "
-                                                          "free memory on a GPU, 1 GiB on the host)")
+# ---- shared flags ------------------------------------------------------------------------------------------------
+def _weights(value: str) -> str:
+    if value in ("auto", "synthetic") or Path(value).expanduser().is_dir():
+        return value
+    raise argparse.ArgumentTypeError(f"is not a directory: {value}; use auto, synthetic or a checkpoint directory")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm-anatomy", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_model_args(p: argparse.ArgumentParser, kv_default: str) -> None:
+    p.add_argument("--model", type=nonempty, help=f"hub id, preset or checkpoint dir (default: {GPU_DEFAULT_MODEL} "
+                                                   f"on a CUDA GPU, {CPU_DEFAULT_MODEL} without one)")
+    p.add_argument("--weights", default="auto", type=_weights,
+                   help="auto (real if found locally, else synthetic), synthetic, or DIR")
+    p.add_argument("--device", type=nonempty, help="cpu, cuda or cuda:N (default: cuda if there is one)")
+    p.add_argument("--dtype", type=nonempty, help="bfloat16, float16 or float32 (default: the model's, bfloat16 "
+                                                  "for Qwen3)")
+    p.add_argument("--kv-cache-tokens", type=integer(1),
+                   help=f"size the KV pool for this many tokens (default: from free memory on a GPU; {kv_default})")
 
-    call = sub.add_parser("call", help="run one chat completion and show what happened inside it")
-    call.add_argument("prompt", nargs="?", help=f"the user message (default: {DEFAULT_PROMPT!r})")
-    call.add_argument("--messages", type=Path, help="a JSON file with a list of {role, content} messages")
-    call.add_argument("--system", help="a system message to put first")
+
+def _add_no_calibrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-telemetry", action="store_true", help="do not sample GPU counters")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="do not measure this device's ceilings if none are cached (datasheet only)")
+
+
+def _device_and_why(arg: str | None):
+    from .engine.engine import parse_device
+
+    device = parse_device(arg)
+    why = f"asked for (--device {arg})" if arg else (
+        "default: a CUDA GPU was found" if device.type == "cuda" else "default: no CUDA GPU on this machine")
+    return device, why
+
+
+def _load_engine(model: str, progress, **settings):
+    """Engine.from_pretrained, telling `progress` its stages where the engine reports them."""
+    from .engine.engine import Engine
+
+    if "progress" in inspect.signature(Engine.from_pretrained).parameters:
+        settings["progress"] = progress.stage
+    else:
+        progress.stage(f"loading {model}")
+    return Engine.from_pretrained(model, **settings)
+
+
+def _ceilings(device, no_calibrate: bool, progress) -> tuple:
+    """(Ceilings, a note for the anatomy or None): the cached or quickly measured ceilings, or the datasheet's."""
+    from .probe.ceilings import datasheet_ceilings, load_or_calibrate
+
+    if no_calibrate:
+        return datasheet_ceilings(device), None
+    calibration = load_or_calibrate(device, quick=True, progress=progress.stage)
+    note = None if not calibration.busy else (
+        f"the ceilings were measured while the device was busy ({'; '.join(calibration.busy)}), so MFU and MBU "
+        f"may read high; they were not cached: `llm-anatomy calibrate` measures them again")
+    return calibration.ceilings, note
+
+
+def settle_heap() -> None:
+    """After start-up: collect once, then exempt everything alive from later collections. A full collection
+    walks the ~300k objects start-up leaves (weights' modules, tokenizer, Triton's caches): 221 ms on the H200
+    host (benchmarks/results/2026-11-29_probe_new_length4.json), a pause that would otherwise land in some step."""
+    gc.collect()
+    gc.freeze()
+
+
+# ---- call --------------------------------------------------------------------------------------------------------
+def _prompt(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty; give a message, or leave PROMPT out for the default one")
+    return value
+
+
+def add_call(sub) -> None:
+    call = sub.add_parser("call", help="run one chat completion and show what happened inside it",
+                          description="Run one chat completion and show what happened inside it.")
+    call.add_argument("prompt", nargs="?", type=_prompt, help=f"the user message (default: {DEFAULT_PROMPT!r})")
+    call.add_argument("--messages", type=input_file, help="a JSON file with a list of {role, content} messages")
+    call.add_argument("--system", type=nonempty, help="a system message to put first")
     call.add_argument("--raw-prompt", action="store_true", help="send PROMPT as is, without the chat template")
     call.add_argument("--no-thinking", action="store_true", help="enable_thinking=False in the chat template")
-    _add_model_args(call)
+    _add_model_args(call, "on the host, what this call needs")
     s = call.add_argument_group("sampling (unset values take the model's generation_config.json)")
-    s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--temperature", type=float)
-    s.add_argument("--top-p", type=float)
-    s.add_argument("--top-k", type=int)
-    s.add_argument("--min-p", type=float)
-    s.add_argument("--presence-penalty", type=float, default=0.0)
-    s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--seed", type=int)
-    s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    s.add_argument("--max-tokens", type=integer(1), default=256, help="most tokens to generate (default 256)")
+    s.add_argument("--temperature", type=real(0), help=">= 0; 0 is greedy")
+    s.add_argument("--top-p", type=real(0, 1, low_open=True), help="nucleus sampling, in (0, 1]")
+    s.add_argument("--top-k", type=integer(-1), help="keep the k likeliest tokens; 0 or -1: all")
+    s.add_argument("--min-p", type=real(0, 1), help="drop tokens below this fraction of the likeliest's, in [0, 1]")
+    s.add_argument("--presence-penalty", type=real(-2, 2), default=0.0, help="in [-2, 2] (default 0)")
+    s.add_argument("--frequency-penalty", type=real(-2, 2), default=0.0, help="in [-2, 2] (default 0)")
+    s.add_argument("--seed", type=integer(INT64_MIN, INT64_MAX), help="a signed 64-bit integer: same seed, same text")
+    s.add_argument("--stop", action="append", default=[], type=nonempty, help="a stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep going past EOS (for benchmarks)")
     o = call.add_argument_group("output")
-    o.add_argument("--json", type=Path, help="write the Anatomy record (docs/anatomy.md)")
-    o.add_argument("--html", type=Path, help="write a self-contained HTML report")
-    o.add_argument("--trace", type=Path, help="write a Perfetto / Chrome trace")
+    o.add_argument("--json", type=output_file, help="write the Anatomy record (docs/anatomy.md)")
+    o.add_argument("--html", type=output_file, help="write a self-contained HTML report")
+    o.add_argument("--trace", type=output_file, help="write a Perfetto / Chrome trace")
     o.add_argument("--kernels", action="store_true", help="profile kernels over a replay of prefill + 8 decode steps")
-    o.add_argument("--no-telemetry", action="store_true", help="do not sample GPU counters")
-    o.add_argument("--no-calibrate", action="store_true",
-                   help="do not measure this device's ceilings if none are cached (datasheet only)")
-    o.add_argument("--quiet", action="store_true", help="no terminal report")
-
-    srv = sub.add_parser("serve", help="an OpenAI-compatible server; every response carries its own anatomy")
-    srv.add_argument("model_name", nargs="?", metavar="MODEL", help="as --model")
-    _add_model_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=os.environ.get("LLM_ANATOMY_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' on every route but /health "
-                          "(default: $LLM_ANATOMY_API_KEY, else no key)")
-    srv.add_argument("--served-model-name", action="append", default=[],
-                     help="the name clients give as `model` (repeatable; default: the model's name)")
-    srv.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step (default 64)")
-    srv.add_argument("--max-model-len", type=int, help="context limit per request (default: the model's)")
-    srv.add_argument("--max-num-batched-tokens", type=int,
-                     help="tokens forwarded per step (default: 8192, or the context if shorter); longer prompts are "
-                          "prefilled in chunks")
-    srv.add_argument("--mixed-steps", action="store_true",
-                     help="decode the running requests in every step, prompts filling the rest of it (lower time to "
-                          "first token under load; the default prefills first, in steps CUDA graphs cover)")
-    srv.add_argument("--gpu-memory-utilization", type=float,
-                     help="on a GPU, the fraction of its memory to use, the KV pool taking what the rest leaves "
-                          "(default 0.9); or size the pool with --kv-cache-tokens")
-    srv.add_argument("--run-dir", type=Path, default=Path("~/.cache/llm-anatomy/serve").expanduser(),
-                     help="where anatomies.jsonl is kept across restarts (default ~/.cache/llm-anatomy/serve)")
-    srv.add_argument("--keep-anatomies", type=int, default=1000, help="newest anatomies kept (default 1000)")
-    srv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body limit (default 4 MiB)")
-    srv.add_argument("--drain-timeout", type=float, default=120.0,
-                     help="on SIGTERM, seconds to let in-flight requests finish (default 120)")
-    srv.add_argument("--no-telemetry", action="store_true", help="do not sample GPU counters")
-    srv.add_argument("--no-calibrate", action="store_true",
-                     help="do not measure this device's ceilings if none are cached (datasheet only)")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-
-    cal = sub.add_parser("calibrate", help="measure this device's bandwidth and matmul ceilings, and cache them")
-    cal.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if there is one)")
-    cal.add_argument("--quick", action="store_true", help="smaller buffers, fewer repeats")
-
-    rep = sub.add_parser("report", help="show a saved Anatomy JSON again, or turn it into HTML / a trace")
-    rep.add_argument("anatomy", type=Path)
-    rep.add_argument("--html", type=Path)
-    rep.add_argument("--trace", type=Path)
-    rep.add_argument("--quiet", action="store_true")
-    return parser
+    _add_no_calibrate(o)
+    o.add_argument("--quiet", action="store_true", help="no terminal report and no progress line")
+    call.set_defaults(handler=cmd_call)
 
 
 def _messages(args) -> list[dict] | None:
@@ -114,10 +139,12 @@ def _messages(args) -> list[dict] | None:
         return None
     if args.messages:
         try:
-            messages = json.loads(args.messages.read_text())
+            messages = json.loads(args.messages.read_text(encoding="utf-8"))
         except OSError as e:
             raise RequestError(f"cannot read --messages {args.messages}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
+        except UnicodeDecodeError:
+            raise RequestError(f"--messages {args.messages} is not UTF-8 text") from None
+        except (json.JSONDecodeError, RecursionError) as e:
             raise RequestError(f"--messages {args.messages} is not valid JSON: {e}") from None
         if args.prompt:
             messages = [*messages, {"role": "user", "content": args.prompt}] if isinstance(messages, list) else messages
@@ -139,51 +166,95 @@ def _sampling(args) -> dict:
     return given
 
 
-def cmd_call(args) -> int:
-    from .engine.engine import Engine, parse_device
+def _distinct_outputs(args, *flags: str) -> None:
+    seen: dict[Path, str] = {}
+    source = getattr(args, "anatomy", None)
+    for flag in flags:
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        key = path.resolve()
+        if source is not None and key == source.resolve():
+            raise AnatomyError(f"--{flag} {path} is the anatomy being read; give another file")
+        if key in seen:
+            raise AnatomyError(f"--{flag} and --{seen[key]} name the same file ({path}); give each its own")
+        seen[key] = flag
+
+
+@dataclass
+class Preflight:
+    """What cmd_call settles before loading the model."""
+
+    model: str
+    device: object
+    why: str
+    messages: list | None
+    sampling: dict
+    prompt_text: str | None
+    prompt_tokens: int
+    kv_cache_tokens: int | None
+
+
+def _preflight(args) -> Preflight:
+    """Every check a call can make on its config and tokenizer alone: a prompt past the context, a top-k past the
+    vocabulary or a KV pool too small fail here, before any weights load."""
     from .hub import resolve
-    from .models.config import ModelConfig
-    from .probe.call import CallRequest, measure_call
-    from .probe.ceilings import datasheet_ceilings, load_or_calibrate
+    from .models.config import ModelConfig, parse_dtype
     from .prompt import render_prompt
     from .tokenizer import Tokenizer
 
+    _distinct_outputs(args, "json", "html", "trace")
     messages = _messages(args)
     sampling = _sampling(args)
-    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
-        raise AnatomyError(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
-    device = parse_device(args.device)
-    why = f"asked for (--device {args.device})" if args.device else (
-        "default: a CUDA GPU was found" if device.type == "cuda" else "default: no CUDA GPU on this machine")
+    device, why = _device_and_why(args.device)
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
     model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
-
-    # Pre-flight on the config and tokenizer alone: a prompt past the context fails before any weights load.
     source = resolve(model)
     config = ModelConfig.from_hf(source.config)
     tokenizer = Tokenizer.from_pretrained(source.directory or source.name)
     rendered = render_prompt(tokenizer, messages=messages,
                              prompt=(args.prompt or DEFAULT_PROMPT) if messages is None else None,
                              enable_thinking=not args.no_thinking)
-    prompt_text, n_prompt = rendered.text, len(rendered.token_ids)
-    if n_prompt + args.max_tokens > config.max_position_embeddings:
+    n_prompt, needed = len(rendered.token_ids), len(rendered.token_ids) + args.max_tokens
+    if needed > config.max_position_embeddings:
         raise RequestError(f"the prompt ({n_prompt} tokens) plus --max-tokens ({args.max_tokens}) exceeds the "
                            f"context of {model} ({config.max_position_embeddings} tokens)")
-
+    if args.top_k is not None and args.top_k > config.vocab_size:
+        raise RequestError(f"--top-k {args.top_k} is more than the vocabulary of {model} ({config.vocab_size} "
+                           f"tokens); use 0 to keep them all")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < needed:
+        raise RequestError(f"--kv-cache-tokens {args.kv_cache_tokens} cannot hold the prompt ({n_prompt} tokens) "
+                           f"plus --max-tokens ({args.max_tokens}); give at least {needed}")
     kv_tokens = args.kv_cache_tokens
     if kv_tokens is None and device.type == "cpu":
-        kv_tokens = n_prompt + args.max_tokens  # one request: the pool it needs, no more to zero
-    engine = Engine.from_pretrained(model, device=device, dtype=args.dtype, weights=args.weights,
-                                    kv_cache_tokens=kv_tokens)
-    ceilings = datasheet_ceilings(device) if args.no_calibrate else load_or_calibrate(device, quick=True)
-    settle_heap()
-    request = CallRequest(messages=messages, prompt=prompt_text if messages is None else None,
-                          enable_thinking=not args.no_thinking, sampling=sampling)
-    result, anatomy = measure_call(engine, request, ceilings, device_why=why, use_telemetry=not args.no_telemetry)
-    if args.kernels:
-        from .probe.kernels import REPLAY_NOTE, profile_kernels
+        kv_tokens = needed  # one request: the pool it needs, no more to zero
+    return Preflight(model, device, why, messages, sampling, rendered.text, n_prompt, kv_tokens)
 
-        anatomy.kernels = profile_kernels(engine, result.prompt_token_ids, sampling)
-        anatomy.notes.append(REPLAY_NOTE)
+
+def cmd_call(args) -> int:
+    from .probe.call import CallRequest, measure_call
+    from .progress import ProgressLine
+
+    plan = _preflight(args)
+    with ProgressLine(enabled=False if args.quiet else None) as progress:
+        engine = _load_engine(plan.model, progress, device=plan.device, dtype=args.dtype, weights=args.weights,
+                              kv_cache_tokens=plan.kv_cache_tokens)
+        ceilings, note = _ceilings(plan.device, args.no_calibrate, progress)
+        settle_heap()
+        request = CallRequest(messages=plan.messages, prompt=plan.prompt_text if plan.messages is None else None,
+                              enable_thinking=not args.no_thinking, sampling=plan.sampling)
+        with progress.during_call(engine, plan.prompt_tokens, args.max_tokens):
+            result, anatomy = measure_call(engine, request, ceilings, device_why=plan.why,
+                                           use_telemetry=not args.no_telemetry)
+        if note:
+            anatomy.notes.append(note)
+        if args.kernels:
+            from .probe.kernels import REPLAY_NOTE, profile_kernels
+
+            progress.stage("profiling kernels over a replay of the call")
+            anatomy.kernels = profile_kernels(engine, result.prompt_token_ids, plan.sampling)
+            anatomy.notes.append(REPLAY_NOTE)
     _write_outputs(anatomy, args)
     return 0
 
@@ -208,45 +279,77 @@ def _write_outputs(anatomy, args) -> None:
             print(f"wrote {what}: {getattr(args, what)}", file=sys.stderr)
 
 
-def settle_heap() -> None:
-    """After start-up: collect once, then exempt everything alive from later collections. A full collection
-    walks the ~300k objects start-up leaves (weights' modules, tokenizer, Triton's caches): 221 ms on the H200
-    host (benchmarks/results/2026-11-29_probe_new_length4.json), a pause that would otherwise land in some step."""
-    gc.collect()
-    gc.freeze()
+# ---- serve -------------------------------------------------------------------------------------------------------
+def add_serve(sub) -> None:
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server; every response carries its own anatomy",
+                         description="An OpenAI-compatible server; every response carries its own anatomy.")
+    srv.add_argument("model_name", nargs="?", metavar="MODEL", type=nonempty, help="as --model")
+    _add_model_args(srv, "on the host, an eighth of the available memory, at most 2^30 bytes (1.07 GB)")
+    srv.add_argument("--host", default="127.0.0.1", type=nonempty,
+                     help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on (default 8000)")
+    srv.add_argument("--api-key", type=nonempty, default=os.environ.get("LLM_ANATOMY_API_KEY") or None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health "
+                          "(default: $LLM_ANATOMY_API_KEY, else no key)")
+    srv.add_argument("--served-model-name", action="append", default=[], type=nonempty,
+                     help="the name clients give as `model` (repeatable; default: the model's name)")
+    srv.add_argument("--max-num-seqs", type=integer(1), default=64, help="most requests in one step (default 64)")
+    srv.add_argument("--max-model-len", type=integer(1), help="context limit per request (default: the model's)")
+    srv.add_argument("--max-num-batched-tokens", type=integer(1),
+                     help="tokens forwarded per step (default: 8192, or the context if shorter); longer prompts are "
+                          "prefilled in chunks")
+    srv.add_argument("--mixed-steps", action="store_true",
+                     help="decode the running requests in every step, prompts filling the rest of it (lower time to "
+                          "first token under load; the default prefills first, in steps CUDA graphs cover)")
+    srv.add_argument("--gpu-memory-utilization", type=real(0, 1, low_open=True),
+                     help="on a GPU, the fraction of its memory to use, in (0, 1], the KV pool taking what the rest "
+                          "leaves (default 0.9); or size the pool with --kv-cache-tokens")
+    srv.add_argument("--run-dir", type=output_dir, default="~/.cache/llm-anatomy/serve",
+                     help="where anatomies.jsonl is kept across restarts (default ~/.cache/llm-anatomy/serve)")
+    srv.add_argument("--keep-anatomies", type=integer(1), default=1000, help="newest anatomies kept (default 1000)")
+    srv.add_argument("--max-body-bytes", type=integer(1), default=4 << 20,
+                     help="request body limit in bytes (default 4194304, 4.19 MB)")
+    srv.add_argument("--drain-timeout", type=real(0), default=120.0,
+                     help="on SIGTERM, seconds to let in-flight requests finish (default 120)")
+    _add_no_calibrate(srv)
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="the server's log level (default info)")
+    srv.set_defaults(handler=cmd_serve)
+
+
+def _serve_preflight(args, model: str) -> None:
+    """What the config alone can refuse, before any weights load."""
+    from .hub import resolve
+    from .models.config import ModelConfig, parse_dtype
+
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
+    context = ModelConfig.from_hf(resolve(model).config).max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise AnatomyError(f"--max-model-len {args.max_model_len} is more than the context of {model} ({context} "
+                           f"tokens); give at most {context} or leave it out")
 
 
 def cmd_serve(args) -> int:
-    from .engine.engine import Engine, parse_device
-    from .probe.ceilings import datasheet_ceilings, load_or_calibrate
+    from .progress import ProgressLine
     from .server.app import serve
 
     if args.model_name and args.model:
         raise AnatomyError("give the model once: as MODEL or as --model")
-    for flag, value, low in (("--port", args.port, 0), ("--max-num-seqs", args.max_num_seqs, 1),
-                             ("--keep-anatomies", args.keep_anatomies, 1), ("--max-body-bytes", args.max_body_bytes, 1),
-                             ("--kv-cache-tokens", args.kv_cache_tokens, 1),
-                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1)):
-        if value is not None and value < low:
-            raise AnatomyError(f"{flag} must be >= {low}, got {value}")
-    if args.port > 65535:
-        raise AnatomyError(f"--port must be <= 65535, got {args.port}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise AnatomyError("--api-key is empty; give a key, or leave it out to serve without one")
-    device = parse_device(args.device)
+    device, why = _device_and_why(args.device)
     if args.gpu_memory_utilization is not None and (device.type != "cuda" or args.kv_cache_tokens is not None):
         raise AnatomyError("--gpu-memory-utilization sizes the KV pool from GPU memory: it cannot be used "
                            + ("on the CPU" if device.type != "cuda" else "with --kv-cache-tokens")
                            + "; use --kv-cache-tokens")
-    why = f"asked for (--device {args.device})" if args.device else (
-        "default: a CUDA GPU was found" if device.type == "cuda" else "default: no CUDA GPU on this machine")
     model = args.model_name or args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
-    engine = Engine.from_pretrained(model, device=device, dtype=args.dtype, weights=args.weights,
-                                    kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
-                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    mixed_steps=args.mixed_steps,
-                                    gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
-    ceilings = datasheet_ceilings(device) if args.no_calibrate else load_or_calibrate(device, quick=True)
+    _serve_preflight(args, model)
+    with ProgressLine() as progress:
+        engine = _load_engine(model, progress, device=device, dtype=args.dtype, weights=args.weights,
+                              kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              mixed_steps=args.mixed_steps,
+                              gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
+        ceilings, _ = _ceilings(device, args.no_calibrate, progress)  # a busy calibration: load_or_calibrate warns
     settle_heap()
     names = tuple(args.served_model_name) or (engine.source.name,)
     print(f"llm-anatomy: serving {names[0]} ({engine.weights.label}) on http://{args.host}:{args.port}/v1 "
@@ -258,36 +361,110 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def cmd_calibrate(args) -> int:
-    from .engine.engine import parse_device
-    from .probe.ceilings import format_ceilings, load_or_calibrate
+# ---- calibrate ---------------------------------------------------------------------------------------------------
+def add_calibrate(sub) -> None:
+    cal = sub.add_parser("calibrate", help="this device's bandwidth and matmul ceilings: cached ones if fresh, "
+                                           "else measured and cached",
+                         description="Show this device's ceilings (read and GEMV bandwidth, the burst and sustained "
+                                     "matmul rate): the cached ones if valid and fresh, else measured now and cached "
+                                     "unless the device was busy.")
+    cal.add_argument("--device", type=nonempty, help="cpu, cuda or cuda:N (default: cuda if there is one)")
+    cal.add_argument("--quick", action="store_true", help="smaller buffers and a 2 s matmul run instead of 6 s "
+                                                          "(what a call runs when nothing is cached)")
+    cal.add_argument("--force", action="store_true", help="measure again even if the cache holds fresh ceilings")
+    cal.set_defaults(handler=cmd_calibrate)
 
-    device = parse_device(args.device)
-    print(format_ceilings(load_or_calibrate(device, recalibrate=True, quick=args.quick)))
+
+def cmd_calibrate(args) -> int:
+    from .probe.ceilings import cache_path, format_ceilings, load_or_calibrate
+    from .progress import ProgressLine
+
+    device, _ = _device_and_why(args.device)
+    with ProgressLine() as progress:
+        calibration = load_or_calibrate(device, recalibrate=args.force, quick=args.quick, progress=progress.stage)
+    print(format_ceilings(calibration.ceilings))
+    if calibration.from_cache:
+        print(f"  from the cache ({cache_path()}); `llm-anatomy calibrate --force` measures again")
+    elif calibration.busy:
+        print(f"  not cached: the device was busy ({'; '.join(calibration.busy)}); run again when it is idle")
+        return 1
     return 0
+
+
+# ---- report ------------------------------------------------------------------------------------------------------
+def add_report(sub) -> None:
+    rep = sub.add_parser("report", help="show a saved Anatomy JSON again, or turn it into HTML / a trace",
+                         description="Show a saved Anatomy JSON again, or turn it into HTML / a trace.")
+    rep.add_argument("anatomy", type=input_file, help="an anatomy written by `llm-anatomy call --json`")
+    rep.add_argument("--html", type=output_file, help="write a self-contained HTML report")
+    rep.add_argument("--trace", type=output_file, help="write a Perfetto / Chrome trace")
+    rep.add_argument("--quiet", action="store_true", help="no terminal report")
+    rep.set_defaults(handler=cmd_report)
+
+
+def load_anatomy(path: Path):
+    """The Anatomy in a JSON file, or an AnatomyError saying in one line why the file is not one."""
+    import pydantic
+
+    from .anatomy import SCHEMA_VERSION, Anatomy
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise AnatomyError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise AnatomyError(f"{path} is not an Anatomy JSON: it is not UTF-8 text") from None
+    except (ValueError, RecursionError) as e:
+        raise AnatomyError(f"{path} is not an Anatomy JSON: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise AnatomyError(f"{path} is not an Anatomy JSON: it holds a {type(data).__name__}, not an object")
+    version = data.get("schema_version")
+    try:
+        newer = tuple(map(int, version.split("."))) > tuple(map(int, SCHEMA_VERSION.split(".")))
+    except (AttributeError, ValueError):
+        raise AnatomyError(f"{path} is not an Anatomy JSON: schema_version is {version!r}") from None
+    if version != SCHEMA_VERSION:
+        fix = "upgrade llm-anatomy" if newer else "run the call again"
+        raise AnatomyError(f"{path} is an anatomy of schema_version {version}, which this llm-anatomy does not read "
+                           f"(it reads {SCHEMA_VERSION}): {fix}")
+    try:
+        return pydantic.TypeAdapter(Anatomy).validate_python(data)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "the record"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise AnatomyError(f"{path} is not an Anatomy JSON: {where}: {first['msg']}{more}") from None
 
 
 def cmd_report(args) -> int:
-    from .anatomy import Anatomy
-
-    try:
-        anatomy = Anatomy.from_json(args.anatomy.read_text())
-    except OSError as e:
-        raise AnatomyError(f"cannot read {args.anatomy}: {e.strerror}") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise AnatomyError(f"{args.anatomy} is not an Anatomy JSON: {e}") from None
-    _write_outputs(anatomy, args)
+    _distinct_outputs(args, "html", "trace")
+    _write_outputs(load_anatomy(args.anatomy), args)
     return 0
 
 
+# ---- main --------------------------------------------------------------------------------------------------------
+COMMANDS = (add_call, add_serve, add_calibrate, add_report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="llm-anatomy", description="One LLM API call on your own GPU, and exactly what happens "
+                                                    "inside it. Units are decimal: 1 GB = 1e9 bytes, TB/s, TFLOP/s.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     try:
-        return {"call": cmd_call, "serve": cmd_serve, "calibrate": cmd_calibrate,
-                "report": cmd_report}[args.command](args)
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a bad command line, already said in one line (2)
+        return e.code if isinstance(e.code, int) else 0
+    logging.basicConfig(level=logging.WARNING, format="llm-anatomy: %(message)s", stream=sys.stderr)
+    try:
+        return args.handler(args)
     except AnatomyError as e:
-        print(f"llm-anatomy: error: {e}", file=sys.stderr)
+        print(f"llm-anatomy: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -167,8 +167,8 @@ def test_cli_default_model_on_the_cpu(capsys, caplog):
 @pytest.mark.parametrize("argv,message", [
     (["--model", "no-such/model"], "unknown model 'no-such/model'"),
     (["--temperature", "-1"], "temperature must be >= 0"),
-    (["--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--max-tokens", "50000"], "exceeds the context"),
     (["--raw-prompt", "--system", "x"], "--raw-prompt sends PROMPT as is"),
     (["--device", "cuda:7"], "cuda"),
@@ -195,7 +195,7 @@ def test_cli_bad_messages_file(capsys, tmp_path, content, message):
     code, out, err = run_cli(capsys, "call", "--messages", str(path), "--no-calibrate", "--device", "cpu")
     assert code == 2 and message in err and "Traceback" not in err
     code, out, err = run_cli(capsys, "call", "--messages", str(tmp_path / "missing.json"), "--device", "cpu")
-    assert code == 2 and "cannot read --messages" in err
+    assert code == 2 and "--messages does not exist" in err
 
 
 def test_cli_report_rejects_non_anatomy(capsys, tmp_path):

@@ -1,17 +1,20 @@
-"""The memory census: where every byte of the device is, at one instant, summing to the total."""
+"""The memory census: where every byte of the device is, at one instant, summing to the total. On a GPU that
+is its memory; on the CPU it is the host's RAM, and its rows say so (no CUDA graphs, no CUDA context there).
+
+This module imports torch only to take a census: the reports import `census_rows` without it."""
 
 from __future__ import annotations
 
 import os
 
-import torch
-
 from ..anatomy import MemoryCensus
 
 
-def census(device: torch.device, weights: int, kv_pool: int, cuda_graphs: int = 0,
+def census(device, weights: int, kv_pool: int, cuda_graphs: int = 0,
            activation_peak: int | None = None) -> MemoryCensus:
     if device.type == "cuda":
+        import torch
+
         free, total = torch.cuda.mem_get_info(device)  # the driver's view, as NVML reports it
         reserved = torch.cuda.memory_reserved(device)
         allocated = torch.cuda.memory_allocated(device)
@@ -20,7 +23,7 @@ def census(device: torch.device, weights: int, kv_pool: int, cuda_graphs: int = 
             total=total, weights=weights, kv_pool=kv_pool, cuda_graphs=cuda_graphs, other_allocated=other,
             allocator_free=reserved - allocated, context_and_other=(total - free) - reserved,
             free=free, activation_peak=activation_peak,
-            source="torch.cuda.mem_get_info (driver) and the caching allocator's counters",
+            source="GPU memory: torch.cuda.mem_get_info (driver) and the caching allocator's counters",
         )
     # The host: RAM, with this process's resident set split into the engine's tensors and the rest.
     page = os.sysconf("SC_PAGE_SIZE")
@@ -32,7 +35,16 @@ def census(device: torch.device, weights: int, kv_pool: int, cuda_graphs: int = 
     return MemoryCensus(
         total=total, weights=weights, kv_pool=kv_pool, cuda_graphs=0, other_allocated=other, allocator_free=0,
         context_and_other=max(0, total - available - max(rss, weights + kv_pool)), free=available,
-        activation_peak=activation_peak,
-        source="host RAM: /proc/self/statm (this process) and sysconf (free = available pages); "
-               "other processes and the OS page cache are in context_and_other",
+        activation_peak=activation_peak, kind="host",
+        source="host RAM: this process's resident set (/proc/self/statm) and the available pages (sysconf)",
     )
+
+
+def census_rows(m: MemoryCensus) -> list[tuple[str, int]]:
+    """The census as (label, bytes) rows that sum to m.total, labelled for the memory it counts."""
+    if m.kind == "host":
+        return [("weights", m.weights), ("KV pool", m.kv_pool), ("rest of this process", m.other_allocated),
+                ("other processes, the OS and its caches", m.context_and_other), ("available", m.free)]
+    return [("weights", m.weights), ("KV pool", m.kv_pool), ("CUDA graphs", m.cuda_graphs),
+            ("other tensors", m.other_allocated), ("allocator reserved, free", m.allocator_free),
+            ("CUDA context and others", m.context_and_other), ("free", m.free)]
