@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import logging
 import os
@@ -61,14 +60,10 @@ def _device_and_why(arg: str | None):
 
 
 def _load_engine(model: str, progress, **settings):
-    """Engine.from_pretrained, telling `progress` its stages where the engine reports them."""
+    """Engine.from_pretrained, telling `progress` its stages."""
     from .engine.engine import Engine
 
-    if "progress" in inspect.signature(Engine.from_pretrained).parameters:
-        settings["progress"] = progress.stage
-    else:
-        progress.stage(f"loading {model}")
-    return Engine.from_pretrained(model, **settings)
+    return Engine.from_pretrained(model, progress=progress.stage, **settings)
 
 
 def _ceilings(device, no_calibrate: bool, progress) -> tuple:
@@ -443,7 +438,13 @@ def cmd_report(args) -> int:
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
-COMMANDS = (add_call, add_serve, add_calibrate, add_report)
+def add_bench(sub) -> None:
+    from .bench.cli import add_parser
+
+    add_parser(sub)
+
+
+COMMANDS = (add_call, add_serve, add_calibrate, add_report, add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

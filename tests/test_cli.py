@@ -373,7 +373,7 @@ def test_the_call_observer_counts_tokens_and_leaves_the_engine_as_it_found_it():
 
 
 def test_engine_start_up_stages_reach_the_progress_line(monkeypatch):
-    """The engine's progress(stage) callback gets the line's stage where from_pretrained takes one."""
+    """The engine's progress(stage) callback reaches the line's stage."""
     from llm_anatomy.engine.engine import Engine
     from llm_anatomy.progress import ProgressLine
 
@@ -392,15 +392,6 @@ def test_engine_start_up_stages_reach_the_progress_line(monkeypatch):
     monkeypatch.setattr(Engine, "from_pretrained", classmethod(with_progress))
     assert cli._load_engine("m", Line(enabled=False), device="cpu", kv_cache_tokens=8) == "engine"
     assert stages == ["loading weights", "ready"] and seen == {"kv_cache_tokens": 8}
-
-    def without_progress(cls, name, device=None, dtype=None, weights="auto", *, seed=0, **settings):
-        assert "progress" not in settings  # it would reach Engine.__init__ and fail there
-        return "engine"
-
-    stages.clear()
-    monkeypatch.setattr(Engine, "from_pretrained", classmethod(without_progress))
-    assert cli._load_engine("m", Line(enabled=False), device="cpu") == "engine"
-    assert stages == ["loading m"]
 
 
 # ---- calibrate -----------------------------------------------------------------------------------------------------
