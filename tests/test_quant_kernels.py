@@ -79,3 +79,22 @@ def test_fp8_layer_fast_path_is_the_kernel_and_falls_back_exactly():
     slow = narrow(y)
     narrow.fast = True
     assert torch.equal(narrow(y), slow)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_fp8_layer_prefill_on_the_gpu(block):
+    """A prefill's product on the fast path: W8A8 through torch._scaled_mm (per-channel scales, sm_90+), or the fp8
+    matmul kernel with its default tile (block scales): within activation-quantization error of the exact one."""
+    from llm_anatomy.models.config import WeightScheme
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(1024, 768, bias=False, device=DEVICE, dtype=torch.bfloat16)
+    layer = Fp8Linear.from_linear(linear, WeightScheme("block", "weight_scale_inv", block) if block else None)
+    x = torch.randn(300, 1024, device=DEVICE, dtype=torch.bfloat16)
+    exact = layer(x)
+    layer.fast = True
+    assert rel(layer(x), exact) < (0.05 if block is None else 2e-2)
+    gate, up = exact.float().chunk(2, dim=-1)
+    assert rel(layer.forward_gated(x), torch.nn.functional.silu(gate) * up) < 0.05
