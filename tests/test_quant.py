@@ -1,6 +1,8 @@
 """fp8 linear layers (models/quant.py) and quantization_config parsing: the numerics off the fast path are those of the
 float model holding the dequantized weights, bit for bit; the bytes roughly halve; bad configs are refused."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +11,8 @@ from llm_anatomy.errors import ConfigError, UnsupportedModelError
 from llm_anatomy.hub import resolve
 from llm_anatomy.models.config import ModelConfig, QuantizationConfig, WeightScheme, resolve_quantization
 from llm_anatomy.models.loader import build_model, hf_state_dict, init_synthetic, weight_bytes
-from llm_anatomy.models.quant import (FP8, Fp8Linear, dequantize, fp8_linear_bytes, linear_weight_bytes, quantize,
-                                      quantize_linear_layers)
+from llm_anatomy.models.quant import (FP8, Fp8Linear, decoder_layer_linear_bytes, dequantize, fp8_linear_bytes,
+                                      linear_weight_bytes, quantize, quantize_linear_layers)
 
 TINY = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512}
@@ -78,6 +80,13 @@ def test_quantized_at_load_roughly_halves_the_linear_layers_of_qwen3_8b():
     layers_plain, layers_fp8 = linear_weight_bytes(plain) - head, linear_weight_bytes(fp8) - head
     assert 0.5 < layers_fp8 / layers_plain < 0.5005  # a float32 scale per row of 4096 or 12288 columns
     assert weight_bytes(plain) - weight_bytes(fp8) == layers_plain - layers_fp8
+    # the cost model's figure from the config alone is the model's
+    layers = config.num_hidden_layers
+    assert decoder_layer_linear_bytes(config, torch.bfloat16, None) * layers == layers_plain
+    assert decoder_layer_linear_bytes(config, torch.bfloat16, QuantizationConfig.at_load()) * layers == layers_fp8
+    qwen_fp8 = QuantizationConfig.from_hf(FP8_BLOCK)
+    block = build_model(replace(config, quantization=qwen_fp8), meta, torch.bfloat16)
+    assert decoder_layer_linear_bytes(config, torch.bfloat16, qwen_fp8) * layers == linear_weight_bytes(block) - head
     assert sum(p.numel() for p in fp8.parameters()) == sum(p.numel() for p in plain.parameters())
 
 

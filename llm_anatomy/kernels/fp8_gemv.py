@@ -13,6 +13,7 @@ rounds it (gemv.store_rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -101,13 +102,17 @@ def _sub_k(tile: Tile, block: tuple[int, int] | None) -> int | None:
     return tile.block_k if cols % tile.block_k == 0 else None
 
 
+@cache
+def _has_fp8(device: torch.device) -> bool:
+    """Triton's e4m3 needs Ada (sm_89) or later; the interpreter (a CPU tensor) has it."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _supports(x: torch.Tensor, weight: torch.Tensor, block, tile: Tile) -> bool:
     if not (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == FP8
             and x.shape[1] == weight.shape[1] and x.is_contiguous() and weight.is_contiguous()):
         return False
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
-        return False  # Triton's e4m3 needs Ada or Hopper
-    return x.shape[1] % tile.block_k == 0 and _sub_k(tile, block) is not None
+    return _has_fp8(x.device) and x.shape[1] % tile.block_k == 0 and _sub_k(tile, block) is not None
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None,

@@ -52,6 +52,22 @@ def fp8_linear_bytes(out_features: int, in_features: int, block: tuple[int, int]
     return out_features * in_features + scales * SCALE_BYTES
 
 
+def decoder_layer_linear_bytes(config, dtype: torch.dtype, quantization: QuantizationConfig | None) -> int:
+    """Bytes of one decoder layer's linear weights (qkv, o, gate_up, down; biases in the model dtype), from the
+    config alone: what the cost model reads per layer and step. fp8 layers at a byte an element plus their scales
+    (block scales for checkpoints that store them so, per channel for fp8 quantized at load)."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    total = (q + 2 * kv) * dtype.itemsize if config.attention_bias else 0
+    for name, n, k in (("self_attn.qkv_proj", q + 2 * kv, h), ("self_attn.o_proj", h, q),
+                       ("mlp.gate_up_proj", 2 * inter, h), ("mlp.down_proj", h, inter)):
+        scheme = None if quantization is None else layer_scheme(f"model.layers.0.{name}", quantization)
+        if scheme is None:
+            total += n * k * dtype.itemsize
+        else:
+            total += fp8_linear_bytes(n, k, scheme.block if quantization.serialized else None)
+    return total
+
+
 def expand_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None) -> torch.Tensor:
     """The scale of every weight element, [N, K] (per channel: [N, 1], broadcasting)."""
     if block is None:
