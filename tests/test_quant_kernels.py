@@ -59,7 +59,7 @@ def test_fp8_matmul_over_many_rows(block):
 def test_what_the_kernel_does_not_take():
     q, scale = weights(32, 512, None)
     x = torch.randn(2, 512, device=DEVICE)
-    assert not supports(torch.randn(2, 320, device=DEVICE), weights(32, 320, None)[0])  # K not a multiple of 512
+    assert not supports(torch.randn(2, 320, device=DEVICE), weights(32, 320, None)[0])  # K not a multiple of 256
     assert not supports(torch.randn(17, 512, device=DEVICE), q)  # more rows than a GEMV's
     assert not supports(x, q.float())  # not fp8
     assert not supports(x.t().contiguous().t(), q)  # not contiguous
