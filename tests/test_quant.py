@@ -99,6 +99,12 @@ def test_synthetic_fp8_weights_are_the_quantized_float_ones():
         assert torch.equal(ours[name].view(torch.uint8), q.view(torch.uint8)), name
     assert torch.equal(ours["lm_head.weight"], theirs["lm_head.weight"])
     assert torch.equal(ours["model.norm.weight"], theirs["model.norm.weight"])
+    # a block-scaled model (a synthetic Qwen FP8 release): each fused layer quantized in 32 x 32 blocks
+    blocked = tiny_model(quantization_config={**FP8_BLOCK, "weight_block_size": [32, 32]})
+    layer = blocked.model.layers[1].mlp.gate_up_proj
+    q, scale = quantize(plain.model.layers[1].mlp.gate_up_proj.weight, (32, 32))
+    assert layer.weight_scale.shape == (8, 2) and torch.equal(layer.weight_scale, scale)
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
 
 
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -151,6 +157,9 @@ def test_parse_qwen_fp8_and_compressed_tensors():
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
      UnsupportedModelError, "format 'pack-quantized'"),
     ({"quant_method": "compressed-tensors", "config_groups": {}}, ConfigError, "no config_groups"),
+    (ct({"strategy": "channel"}, transform_config={"config_groups": {}}), UnsupportedModelError, "transform_config"),
+    (ct({"strategy": "channel"}, sparsity_config={"format": "sparse-24-bitmask"}), UnsupportedModelError,
+     "sparsity_config format 'sparse-24-bitmask'"),
 ])
 def test_unsupported_quantization_is_refused_by_name(qc, error, message):
     with pytest.raises(error, match=message):

@@ -161,6 +161,13 @@ def _compressed_tensors_config(qc: dict) -> QuantizationConfig:
     if qc.get("kv_cache_scheme"):
         raise UnsupportedModelError("compressed-tensors kv_cache_scheme (calibrated KV cache scales) is not "
                                     "supported; --kv-cache-dtype fp8 quantizes the KV cache without them")
+    if qc.get("transform_config"):
+        raise UnsupportedModelError("compressed-tensors transform_config (rotated weights) is not supported")
+    sparsity = qc.get("sparsity_config")
+    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
+        raise UnsupportedModelError(f"compressed-tensors sparsity_config format "
+                                    f"{sparsity.get('format') if isinstance(sparsity, dict) else sparsity!r} "
+                                    f"is not supported; only dense weights")
     groups_in = qc.get("config_groups")
     if not isinstance(groups_in, dict) or not groups_in:
         raise ConfigError("compressed-tensors quantization_config has no config_groups")
