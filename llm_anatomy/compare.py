@@ -251,8 +251,8 @@ def render(c: Comparison) -> str:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("compare", help="measure what quantization changes: drift against the baseline "
                                               "(KL, top-1, greedy agreement) beside the memory and speed gained")
-    p.add_argument("model_name", nargs="?", metavar="MODEL", help="hub id, preset or checkpoint dir (default: "
-                                                                  "Qwen/Qwen3-8B on a CUDA GPU, Qwen/Qwen3-0.6B without)")
+    p.add_argument("model_name", nargs="?", metavar="MODEL",
+                   help="hub id, preset or checkpoint dir (default: Qwen/Qwen3-8B on a CUDA GPU, Qwen/Qwen3-0.6B without)")
     p.add_argument("--quantization", help="fp8: linear layers' weights in fp8 e4m3, quantized at load (vLLM's name)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (vLLM's name)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens of each greedy continuation (default 64)")

@@ -136,7 +136,8 @@ def test_parse_qwen_fp8_and_compressed_tensors():
 
 
 @pytest.mark.parametrize("qc,error,message", [
-    ({"quant_method": "awq", "bits": 4}, UnsupportedModelError, "quantization method 'awq'.*'fp8'.*'compressed-tensors'"),
+    ({"quant_method": "awq", "bits": 4}, UnsupportedModelError,
+     "quantization method 'awq'.*'fp8'.*'compressed-tensors'"),
     ({"quant_method": "gptq", "bits": 4}, UnsupportedModelError, "quantization method 'gptq' .*not supported"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, UnsupportedModelError, "'bitsandbytes'"),
     ({"bits": 4}, UnsupportedModelError, "without quant_method"),

@@ -53,8 +53,8 @@ def _dot(x, w, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _block_sum(x_ptr, w_ptr, s_ptr, rm, rn, k, M, N, stride_xm, stride_wn, stride_sn, BLOCKWISE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-               SUB_K: tl.constexpr, IEEE: tl.constexpr):
+def _block_sum(x_ptr, w_ptr, s_ptr, rm, rn, k, M, N, stride_xm, stride_wn, stride_sn, BLOCKWISE: tl.constexpr,
+               SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, SUB_K: tl.constexpr, IEEE: tl.constexpr):
     """x[rm, k:k+SUB_K] @ w[rn, k:k+SUB_K]^T in float32, times the block's scale of each row when BLOCKWISE."""
     rk = k + tl.arange(0, SUB_K)
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)

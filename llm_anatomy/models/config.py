@@ -187,8 +187,9 @@ def _compressed_tensors_config(qc: dict) -> QuantizationConfig:
                 f"float (fp8 e4m3)")
         strategy = w.get("strategy")
         if strategy not in CT_STRATEGIES or w.get("dynamic"):
-            raise UnsupportedModelError(f"{where}: weight strategy {strategy!r}{' (dynamic)' if w.get('dynamic') else ''}"
-                                        f" is not supported; use channel, tensor or block")
+            dynamic = " (dynamic)" if w.get("dynamic") else ""
+            raise UnsupportedModelError(f"{where}: weight strategy {strategy!r}{dynamic} is not supported; use "
+                                        f"channel, tensor or block")
         block = _block_size(w.get("block_structure"), f"{where}.weights.block_structure") if strategy == "block" \
             else None
         activations.add(_ct_activations(group.get("input_activations"), where))

@@ -254,8 +254,8 @@ def init_synthetic(model: Qwen3ForCausalLM, seed: int = 0) -> WeightsInfo:
             p.fill_(1.0)
         elif p.dtype == FP8:
             layer = modules[name.rpartition(".")[0]]
-            q, scale = quantize(torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator),
-                                layer.block)
+            drawn = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator)
+            q, scale = quantize(drawn, layer.block)
             p.copy_(q)
             layer.weight_scale.copy_(scale)
         else:
