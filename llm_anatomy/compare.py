@@ -152,6 +152,9 @@ def compare_engines(baseline, quantized, prompts: list[tuple[str, list[int]]], m
     """Drift of each prompt, and (on a GPU) the timings: {"baseline"|"quantized": (prefill_ms, tpot_ms) medians}."""
     timed = baseline.device.type == "cuda"
     results, times = [], {"baseline": [], "quantized": []}
+    if timed:  # a first run of each (lazy initialisations) before any timed one
+        for engine in (baseline, quantized):
+            _greedy(engine, prompts[0][1], 2)
     for name, ids in prompts:
         if progress:
             progress(name)
