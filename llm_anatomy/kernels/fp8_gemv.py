@@ -1,0 +1,170 @@
+"""Products over fp8 e4m3 weights with float32 scales: the decode GEMV (up to 16 rows) and, from the same kernel with
+a grid over rows, the matmul of a prefill where torch._scaled_mm does not serve (block scales, see models/quant.py).
+
+Like the bf16 GEMV (gemv.py), a program streams [BLOCK_N, BLOCK_K] weight tiles through tl.dot, rows padded to
+16 for the tensor cores; the weights are half the bytes. Each tile is converted to the activations' dtype in
+registers (exact: every e4m3 value is a bf16 value) and multiplied by the unquantized activations (W8A16), so the
+only error is the weights' own. The scales apply to the float32 sums: per output channel once at the end, per
+block of weight_block_size after each block of columns (the tile's columns are cut into sub-tiles of one scale
+block each). With `gated` the weight is gate_up = [gate; up] and the output SiLU(gate) * up, rounded as HF
+rounds it (gemv.store_rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import store_rows
+from .pdl import PDL, gdc_enter
+
+FP8 = torch.float8_e4m3fn
+MAX_ROWS = 16  # the GEMV's rows; more go to fp8_matmul
+
+
+@dataclass(frozen=True)
+class Tile:
+    """BLOCK_M activation rows x BLOCK_N weight rows a program, BLOCK_K columns a step."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"M{self.block_m}_N{self.block_n}_K{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+
+
+# Starting points, not tuned on a GPU yet: the GEMV's tile holds, once converted, as many bf16 weights as the bf16
+# GEMV's default tile (gemv.DEFAULT_TILE: 32 x 256), so registers hold the same; the matmul's is a plain 128 x 128.
+GEMV_TILE = Tile(16, 32, 256, 4, 4)
+MATMUL_TILE = Tile(128, 128, 128, 8, 3)
+
+
+@triton.jit
+def _dot(x, w, IEEE: tl.constexpr):
+    if IEEE:  # float32 activations: exact products, not TF32
+        return tl.dot(x, tl.trans(w), input_precision="ieee")
+    return tl.dot(x, tl.trans(w))
+
+
+@triton.jit
+def _block_sum(x_ptr, w_ptr, s_ptr, rm, rn, k, M, N, stride_xm, stride_wn, stride_sn, BLOCKWISE: tl.constexpr,
+               SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, SUB_K: tl.constexpr, IEEE: tl.constexpr):
+    """x[rm, k:k+SUB_K] @ w[rn, k:k+SUB_K]^T in float32, times the block's scale of each row when BLOCKWISE."""
+    rk = k + tl.arange(0, SUB_K)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)
+    w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=rn[:, None] < N, other=0.0)
+    part = _dot(x, w.to(x.dtype), IEEE)
+    if BLOCKWISE:
+        scale = tl.load(s_ptr + (rn // SCALE_ROWS) * stride_sn + k // SCALE_COLS, mask=rn < N, other=0.0)
+        part = part * scale[None, :]
+    return part
+
+
+# The row count changes with the batch: compiling per count is waste. ("gemv" in the name: the kernel probe counts
+# it with the matrix products.)
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
+                K: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, BLOCKWISE: tl.constexpr,
+                SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, USE_PDL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    gdc_enter(USE_PDL)  # see pdl.py
+    for k0 in range(0, K, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // SUB_K):
+            k = k0 + j * SUB_K
+            acc += _block_sum(x_ptr, w_ptr, s_ptr, rm, rn, k, M, N, stride_xm, stride_wn, stride_sn,
+                              BLOCKWISE, SCALE_ROWS, SCALE_COLS, SUB_K, IEEE)
+            if GATED:  # the up rows sit N rows below the gate rows (rows rn + N of 2N), their scales' rows too
+                acc_up += _block_sum(x_ptr, w_ptr, s_ptr, rm, rn + N, k, M, 2 * N, stride_xm, stride_wn,
+                                     stride_sn, BLOCKWISE, SCALE_ROWS, SCALE_COLS, SUB_K, IEEE)
+    if not BLOCKWISE:  # one scale per output channel: applied once, to the whole sum
+        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(s_ptr + N + rn, mask=rn < N, other=0.0)[None, :]
+    store_rows(y_ptr, acc, acc_up, rm, rn, M, N, stride_ym, GATED)
+
+
+def _sub_k(tile: Tile, block: tuple[int, int] | None) -> int | None:
+    """Columns a dot takes at once: the tile's, or one scale block's where the tile spans several; None where
+    the tile and the block do not nest."""
+    if block is None:
+        return tile.block_k
+    cols = block[1]
+    if tile.block_k % cols == 0 and cols >= 16:
+        return cols
+    return tile.block_k if cols % tile.block_k == 0 else None
+
+
+@cache
+def _has_fp8(device: torch.device) -> bool:
+    """Triton's e4m3 needs Ada (sm_89) or later; the interpreter (a CPU tensor) has it."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _supports(x: torch.Tensor, weight: torch.Tensor, block, tile: Tile) -> bool:
+    if not (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == FP8
+            and x.shape[1] == weight.shape[1] and x.is_contiguous() and weight.is_contiguous()):
+        return False
+    return _has_fp8(x.device) and x.shape[1] % tile.block_k == 0 and _sub_k(tile, block) is not None
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None,
+             tile: Tile = GEMV_TILE) -> bool:
+    """Whether fp8_gemv takes this product: up to 16 rows, K a multiple of the tile's columns."""
+    return x.shape[0] <= MAX_ROWS and _supports(x, weight, block, tile)
+
+
+def supports_matmul(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None,
+                    tile: Tile = MATMUL_TILE) -> bool:
+    return _supports(x, weight, block, tile)
+
+
+def _launch(x, weight, scale, block, gated: bool, tile: Tile) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    scale_rows, scale_cols = block or (1, k)
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
+    _fp8_gemv_kernel[grid](x, weight, scale, y, m, n, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+                      K=k, GATED=gated, IEEE=x.dtype == torch.float32, BLOCKWISE=block is not None,
+                      SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, USE_PDL=PDL.on, BLOCK_M=tile.block_m,
+                      BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SUB_K=_sub_k(tile, block), launch_pdl=PDL.on,
+                      num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return y
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+             gated: bool = False, tile: Tile = GEMV_TILE) -> torch.Tensor:
+    """x [M, K] (M <= 16) @ dequantized(weight [N, K] fp8, scale)^T -> [M, N] in x's dtype; scale is [N] (per
+    channel) or [ceil(N / block[0]), ceil(K / block[1])]. With gated, weight is [2n, K] = [gate; up] and the result
+    SiLU(x @ gate^T) * (x @ up^T), [M, n]."""
+    return _launch(x, weight, scale, block, gated, tile)
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+               gated: bool = False, tile: Tile = MATMUL_TILE) -> torch.Tensor:
+    """fp8_gemv for any number of rows (a prefill): programs over tiles of rows too."""
+    return _launch(x, weight, scale, block, gated, tile)
+
+
+def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         block: tuple[int, int] | None = None, gated: bool = False) -> torch.Tensor:
+    """The same product in PyTorch, float32 throughout, rounded to x's dtype as the kernel's epilogue rounds."""
+    from ..models.quant import dequantize
+
+    y = x.float() @ dequantize(weight, scale, block).t()
+    if not gated:
+        return y.to(x.dtype)
+    n, dtype = y.shape[1] // 2, x.dtype
+    g = y[:, :n].to(dtype).float()
+    s = (g * torch.sigmoid(g)).to(dtype).float()
+    return (s * y[:, n:].to(dtype).float()).to(dtype)

@@ -1,0 +1,100 @@
+"""The fp8 GEMV / matmul kernel (kernels/fp8_gemv.py) against its PyTorch reference: under Triton's interpreter on
+the CPU (float32 activations), natively on a GPU (bf16 too); and the fp8 layer's fast path that uses it."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from llm_anatomy.kernels import use_kernels  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if not use_kernels(DEVICE):
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from llm_anatomy.kernels.fp8_gemv import (Tile, fp8_gemv, fp8_matmul, fp8_matmul_reference, supports,  # noqa: E402
+                                          supports_matmul)
+from llm_anatomy.models.quant import Fp8Linear, quantize  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32]
+SMALL = Tile(16, 32, 256, 4, 2)  # the interpreter's cost grows with the tile; these shapes need no more
+
+
+def weights(n, k, block, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # rows of very different magnitudes, so that a scale applied to the wrong row or block shows
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n)[:, None]
+    q, scale = quantize(w, block)
+    return q.to(DEVICE), scale.to(DEVICE)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [None, (32, 128)])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fp8_gemv_matches_reference(dtype, block, gated, rows):
+    q, scale = weights(2 * 40 if gated else 72, 512, block)  # N not a multiple of the tile's 32 rows
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    assert supports(x, q, block)
+    out = fp8_gemv(x, q, scale, block, gated)
+    ref = fp8_matmul_reference(x, q, scale, block, gated)
+    assert out.shape == ref.shape == (rows, 40 if gated else 72) and out.dtype == dtype
+    assert rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("block", [None, (16, 64)])
+def test_fp8_matmul_over_many_rows(block):
+    q, scale = weights(48, 256, block, seed=2)
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)  # rows over three M tiles
+    assert supports_matmul(x, q, block, SMALL) and not supports(x, q, block, SMALL)
+    assert rel(fp8_matmul(x, q, scale, block, tile=SMALL), fp8_matmul_reference(x, q, scale, block)) < 1e-5
+    assert rel(fp8_matmul(x, q, scale, block, True, SMALL), fp8_matmul_reference(x, q, scale, block, True)) < 1e-5
+
+
+def test_what_the_kernel_does_not_take():
+    q, scale = weights(32, 512, None)
+    x = torch.randn(2, 512, device=DEVICE)
+    assert not supports(torch.randn(2, 320, device=DEVICE), weights(32, 320, None)[0])  # K not a multiple of 256
+    assert not supports(torch.randn(17, 512, device=DEVICE), q)  # more rows than a GEMV's
+    assert not supports(x, q.float())  # not fp8
+    assert not supports(x.t().contiguous().t(), q)  # not contiguous
+    assert not supports(x, q, (32, 96))  # a scale block that does not nest with the tile's columns
+
+
+def test_fp8_layer_fast_path_is_the_kernel_and_falls_back_exactly():
+    linear = torch.nn.Linear(512, 64, bias=True).to(DEVICE)
+    layer = Fp8Linear.from_linear(linear)
+    x = torch.randn(3, 512, device=DEVICE)
+    exact = layer(x)
+    layer.fast = True
+    assert rel(layer(x), exact) < 1e-5
+    assert rel(layer.forward_gated(x), torch.nn.functional.silu(exact[:, :32]) * exact[:, 32:]) < 1e-5
+    narrow = Fp8Linear.from_linear(torch.nn.Linear(96, 16).to(DEVICE))  # K the kernel does not take: PyTorch
+    y = torch.randn(2, 96, device=DEVICE)
+    slow = narrow(y)
+    narrow.fast = True
+    assert torch.equal(narrow(y), slow)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_fp8_layer_prefill_on_the_gpu(block):
+    """A prefill's product on the fast path: W8A8 through torch._scaled_mm (per-channel scales, sm_90+), or the fp8
+    matmul kernel with its default tile (block scales): within activation-quantization error of the exact one."""
+    from llm_anatomy.models.config import WeightScheme
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(1024, 768, bias=False, device=DEVICE, dtype=torch.bfloat16)
+    layer = Fp8Linear.from_linear(linear, WeightScheme("block", "weight_scale_inv", block) if block else None)
+    x = torch.randn(300, 1024, device=DEVICE, dtype=torch.bfloat16)
+    exact = layer(x)
+    layer.fast = True
+    assert rel(layer(x), exact) < (0.05 if block is None else 2e-2)
+    gate, up = exact.float().chunk(2, dim=-1)
+    assert rel(layer.forward_gated(x), torch.nn.functional.silu(gate) * up) < 0.05
