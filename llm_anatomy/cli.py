@@ -444,7 +444,13 @@ def add_bench(sub) -> None:
     add_parser(sub)
 
 
-COMMANDS = (add_call, add_serve, add_calibrate, add_report, add_bench)
+def add_compare(sub) -> None:
+    from .compare import add_parser
+
+    add_parser(sub)
+
+
+COMMANDS = (add_call, add_serve, add_calibrate, add_report, add_bench, add_compare)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,6 @@ drifts by nothing, bad flags fail before any weights load, and the report labels
 
 import argparse
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -11,20 +10,10 @@ import torch
 from llm_anatomy import Engine
 from llm_anatomy.compare import add_parser, cmd_compare, compare_engines, drift, summarize, teacher_forced_logprobs
 from llm_anatomy.errors import AnatomyError
-from llm_anatomy.models.loader import weight_bytes
-from llm_anatomy.models.quant import precision_label, quantize_linear_layers
 
 
 def load(directory, **kwargs):
     return Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=256, **kwargs)
-
-
-def quantized(engine):
-    """The engine with its linear layers swapped for fp8 ones (what Engine(quantization="fp8") builds)."""
-    quantize_linear_layers(engine.model)
-    engine.weights = replace(engine.weights, bytes=weight_bytes(engine.model),
-                             quantization=precision_label(engine.model))
-    return engine
 
 
 def test_drift_of_known_distributions():
@@ -68,7 +57,7 @@ def test_same_engine_drifts_by_nothing_and_fp8_by_a_little(save_tiny):
     same, timings = compare_engines(baseline, load(directory), prompts, 8)
     assert timings == {"baseline": (None, None), "quantized": (None, None)}  # timed on a GPU only
     assert all(p.kl == (0.0,) * 8 and all(p.top1) and p.greedy_agreement == 8 for p in same)
-    fp8 = quantized(load(directory))
+    fp8 = load(directory, quantization="fp8")
     results, _ = compare_engines(baseline, fp8, prompts, 8)
     assert [p.prompt_tokens for p in results] == [5, 3] and all(p.tokens == 8 for p in results)
     s = summarize(results)
@@ -106,21 +95,8 @@ def test_bad_flags_fail_before_any_weights_load(argv, message, monkeypatch):
         cmd_compare(parse(argv))
 
 
-@pytest.fixture
-def engine_takes_quantization(monkeypatch):
-    """Until Engine.from_pretrained takes quantization= itself: the engine, then its layers swapped for fp8 ones."""
-    original = Engine.from_pretrained.__func__
-
-    def from_pretrained(cls, name, *args, quantization=None, kv_cache_dtype="auto", **kwargs):
-        assert kv_cache_dtype == "auto", "the fp8 KV cache is the engine's"
-        engine = original(cls, name, *args, **kwargs)
-        return quantized(engine) if quantization == "fp8" else engine
-
-    monkeypatch.setattr(Engine, "from_pretrained", classmethod(from_pretrained))
-
-
 @pytest.mark.parametrize("weights", ["auto", "synthetic"])
-def test_compare_command_end_to_end(save_tiny, tmp_path, capsys, engine_takes_quantization, weights):
+def test_compare_command_end_to_end(save_tiny, tmp_path, capsys, weights):
     directory, _ = save_tiny(initializer_range=0.2, vocab_size=151936)  # Qwen-sized vocabulary: real prompts work
     out = tmp_path / "compare.json"
     assert cmd_compare(parse([str(directory), "--quantization", "fp8", "--max-tokens", "3", "--device", "cpu",

@@ -173,9 +173,11 @@ def test_gemv_every_candidate_tile(monkeypatch):
     key = tile_key(80, 1024, False, dtype)
     tuned = ExecutionPlan(kernels=True).with_tiles({key: Tile(16, 512, 4, 3)})
     untuned = ExecutionPlan(kernels=True)
+    layer = torch.nn.Linear(1024, 80, bias=False, device=DEVICE, dtype=dtype)
     with torch.no_grad():  # the plan's tuned tile is the one the model's product uses; else the default
+        layer.weight.copy_(w[:80])
         for plan in (tuned, untuned):
-            assert rel(skinny_product(x, w[:80], plan), plain) < TOL[dtype]
+            assert rel(skinny_product(x, layer, plan), plain) < TOL[dtype]
     assert grids == [(5,), (-(-80 // DEFAULT_TILE[w.element_size()].block_n),)]
 
 

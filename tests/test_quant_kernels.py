@@ -71,14 +71,11 @@ def test_fp8_layer_fast_path_is_the_kernel_and_falls_back_exactly():
     layer = Fp8Linear.from_linear(linear)
     x = torch.randn(3, 512, device=DEVICE)
     exact = layer(x)
-    layer.fast = True
-    assert rel(layer(x), exact) < 1e-5
-    assert rel(layer.forward_gated(x), torch.nn.functional.silu(exact[:, :32]) * exact[:, 32:]) < 1e-5
+    assert rel(layer.fast_product(x), exact) < 1e-5
+    assert rel(layer.fast_product(x, gated=True), torch.nn.functional.silu(exact[:, :32]) * exact[:, 32:]) < 1e-5
     narrow = Fp8Linear.from_linear(torch.nn.Linear(96, 16).to(DEVICE))  # K the kernel does not take: PyTorch
     y = torch.randn(2, 96, device=DEVICE)
-    slow = narrow(y)
-    narrow.fast = True
-    assert torch.equal(narrow(y), slow)
+    assert torch.equal(narrow.fast_product(y), narrow(y))
 
 
 @pytest.mark.gpu
@@ -94,7 +91,32 @@ def test_fp8_layer_prefill_on_the_gpu(block):
     layer = Fp8Linear.from_linear(linear, WeightScheme("block", "weight_scale_inv", block) if block else None)
     x = torch.randn(300, 1024, device=DEVICE, dtype=torch.bfloat16)
     exact = layer(x)
-    layer.fast = True
-    assert rel(layer(x), exact) < (0.05 if block is None else 2e-2)
+    assert rel(layer.fast_product(x), exact) < (0.05 if block is None else 2e-2)
     gate, up = exact.float().chunk(2, dim=-1)
-    assert rel(layer.forward_gated(x), torch.nn.functional.silu(gate) * up) < 0.05
+    assert rel(layer.fast_product(x, gated=True), torch.nn.functional.silu(gate) * up) < 0.05
+
+
+# The fp8 KV cache on a GPU only: Triton 3.6's interpreter rounds float32 -> e4m3 wrongly where the mantissa
+# carries into the exponent (tests/test_kv_cache_fp8.py), so its cache would differ from the reference's.
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"] if DEVICE.type == "cuda" else ["auto"])
+def test_fp8_engine_fast_path_equals_its_reference(save_tiny, kv_cache_dtype):
+    """--quantization fp8 through the whole engine: the fused-kernel path (the fp8 GEMV for decode, the fp8 matmul
+    for the prefill; on a GPU with graphs, the streaming GEMV at batch 1) against the PyTorch path over the same
+    dequantized weights."""
+    from llm_anatomy import Engine
+
+    directory, _ = save_tiny(hidden_size=512, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                             head_dim=32, num_hidden_layers=1, initializer_range=0.2)
+    kw = dict(device=DEVICE, dtype=torch.float32, kv_cache_tokens=128, block_size=4, max_num_seqs=2,
+              quantization="fp8", kv_cache_dtype=kv_cache_dtype)
+    out = {}
+    for fast in (True, False):
+        engine = Engine.from_pretrained(directory, fast_path=fast, cuda_graphs=fast, **kw)
+        assert engine.plan.weight_dtype == "float8_e4m3fn"
+        assert (engine.pool.k.dtype == torch.float8_e4m3fn) == (kv_cache_dtype == "fp8")
+        result = engine.generate_many([[5, 9, 2, 7, 1, 3], [8, 8, 1]], temperature=0, max_tokens=4, ignore_eos=True,
+                                      logprobs=1)
+        out[fast] = [r.output_token_ids for r in result], [[lp for lp, _ in r.logprobs] for r in result]
+    assert out[True][0] == out[False][0]
+    for a, b in zip(out[True][1], out[False][1]):
+        assert a == pytest.approx(b, abs=1e-3)

@@ -218,7 +218,7 @@ class Engine:
         dtype = parse_dtype(cfg.dtype if cfg.dtype is not None else config.torch_dtype)
         weights_dir = cls._weights_dir(source, cfg.weights)
         tokenizer = Tokenizer.from_pretrained(source.directory or weights_dir or source.name)
-        model = build_model(config, device, dtype)
+        model = build_model(config, device, dtype, cfg.quantization)
         if weights_dir is not None:
             progress(f"loading weights from {weights_dir}")
             info = load_checkpoint(model, weights_dir)
@@ -229,8 +229,6 @@ class Engine:
                             "run again, or pass --weights DIR.", source.name, source.name)
             progress("initialising synthetic weights")
             info = init_synthetic(model, cfg.seed)
-        if cfg.quantization is not None:
-            raise AnatomyError(f"quantization {cfg.quantization!r} is not available in this build")
         engine = cls(model, config, tokenizer, source, info, cfg, device, dtype,
                      GenerationDefaults.for_source(source, config), progress)
         engine.startup_seconds = time.perf_counter() - start

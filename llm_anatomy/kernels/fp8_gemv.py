@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .gemv import store_rows
-from .pdl import PDL, gdc_enter
+from .pdl import gdc_enter
 
 FP8 = torch.float8_e4m3fn
 MAX_ROWS = 16  # the GEMV's rows; more go to fp8_matmul
@@ -128,7 +128,7 @@ def supports_matmul(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int
     return _supports(x, weight, block, tile)
 
 
-def _launch(x, weight, scale, block, gated: bool, tile: Tile) -> torch.Tensor:
+def _launch(x, weight, scale, block, gated: bool, tile: Tile, pdl: bool) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -136,24 +136,24 @@ def _launch(x, weight, scale, block, gated: bool, tile: Tile) -> torch.Tensor:
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
     _fp8_gemv_kernel[grid](x, weight, scale, y, m, n, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
                       K=k, GATED=gated, IEEE=x.dtype == torch.float32, BLOCKWISE=block is not None,
-                      SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, USE_PDL=PDL.on, BLOCK_M=tile.block_m,
-                      BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SUB_K=_sub_k(tile, block), launch_pdl=PDL.on,
+                      SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, USE_PDL=pdl, BLOCK_M=tile.block_m,
+                      BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SUB_K=_sub_k(tile, block), launch_pdl=pdl,
                       num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-             gated: bool = False, tile: Tile = GEMV_TILE) -> torch.Tensor:
+             gated: bool = False, tile: Tile = GEMV_TILE, pdl: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 16) @ dequantized(weight [N, K] fp8, scale)^T -> [M, N] in x's dtype; scale is [N] (per
     channel) or [ceil(N / block[0]), ceil(K / block[1])]. With gated, weight is [2n, K] = [gate; up] and the result
-    SiLU(x @ gate^T) * (x @ up^T), [M, n]."""
-    return _launch(x, weight, scale, block, gated, tile)
+    SiLU(x @ gate^T) * (x @ up^T), [M, n]. `pdl`: see pdl.py."""
+    return _launch(x, weight, scale, block, gated, tile, pdl)
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-               gated: bool = False, tile: Tile = MATMUL_TILE) -> torch.Tensor:
+               gated: bool = False, tile: Tile = MATMUL_TILE, pdl: bool = False) -> torch.Tensor:
     """fp8_gemv for any number of rows (a prefill): programs over tiles of rows too."""
-    return _launch(x, weight, scale, block, gated, tile)
+    return _launch(x, weight, scale, block, gated, tile, pdl)
 
 
 def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .config import QuantizationConfig, WeightScheme
-from .qwen3 import PACKED_MODULES, FastPath
+from .qwen3 import PACKED_MODULES
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -110,7 +110,7 @@ def _rowwise_scaled_mm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-class Fp8Linear(nn.Module, FastPath):
+class Fp8Linear(nn.Module):
     """y = x W^T + b with W in float8 e4m3 (a parameter, so that the model's parameter count stays its own) and
     float32 scales (`weight_scale`, a buffer); the bias, if any, in the model dtype. `stored_as`: how the checkpoint
     holds this layer (None: float weights, quantized per channel as they load)."""
@@ -149,38 +149,40 @@ class Fp8Linear(nn.Module, FastPath):
         return dequantize(self.weight, self.weight_scale, self.block).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._fast(x.reshape(-1, self.in_features), gated=False) if self.fast else None
+        """The reference product: the dequantized weight, an ordinary matmul (the fast path: fast_product)."""
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def fast_product(self, x: torch.Tensor, gated: bool = False, pdl: bool = False) -> torch.Tensor:
+        """The fast path's product (see the module's docstring) of x [rows, K]; with gated (gate_up_proj =
+        [gate; up]) SiLU(x gate^T) * (x up^T), rounded as HF rounds it. The batch-1 streaming GEMV is the model's
+        to choose (qwen3.skinny_product), with the plan. `pdl`: the Triton kernels' launches (kernels/pdl.py)."""
+        y = self._fast(x, gated, pdl) if self.bias is None or not gated else None
         if y is None:
-            return F.linear(x, self.dequantized(x.dtype), self.bias)
-        y = y.view(*x.shape[:-1], self.out_features)
+            y = self.forward(x)
+            if gated:
+                gate, up = y.chunk(2, dim=-1)
+                return F.silu(gate) * up
+            return y
         return y if self.bias is None else y + self.bias
 
-    def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
-        """For gate_up_proj = [gate; up]: SiLU(x gate^T) * (x up^T), rounded as HF rounds it (each projection,
-        SiLU's output, the product), in the GEMV's epilogue on the fast path."""
-        y = self._fast(x, gated=True) if self.fast and self.bias is None else None
-        if y is not None:
-            return y
-        gate, up = self.forward(x).chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def _fast(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
-        """The fast path's product (see the module's docstring), or None where only the PyTorch one applies."""
+    def _fast(self, x: torch.Tensor, gated: bool, pdl: bool) -> torch.Tensor | None:
         from ..kernels import fp8_gemv, use_kernels
 
         if not use_kernels(x.device):
             return None
         if fp8_gemv.supports(x, self.weight, self.block):
-            return fp8_gemv.fp8_gemv(x, self.weight, self.weight_scale, self.block, gated)
+            return fp8_gemv.fp8_gemv(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
         if (self.block is None and x.dtype == torch.bfloat16 and _rowwise_scaled_mm(x.device)
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0):
-            if gated:
-                return None  # forward_gated: this product, then SiLU * up
             xq, x_scale = quantize_per_token(x)
-            return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
-                                    out_dtype=x.dtype)
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
+                                 out_dtype=x.dtype)
+            if not gated:
+                return y
+            gate, up = y.chunk(2, dim=-1)
+            return F.silu(gate) * up
         if fp8_gemv.supports_matmul(x, self.weight, self.block):
-            return fp8_gemv.fp8_matmul(x, self.weight, self.weight_scale, self.block, gated)
+            return fp8_gemv.fp8_matmul(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
         return None
 
     def weight_bytes(self) -> int:

@@ -50,14 +50,14 @@ class PendingNorm:
     layernorm: RMSNorm
     new_residual: torch.Tensor
 
-    def product(self, weight: torch.Tensor, plan: ExecutionPlan, gated: bool = False) -> torch.Tensor | None:
+    def product(self, layer: nn.Module, plan: ExecutionPlan, gated: bool = False) -> torch.Tensor | None:
         """The norm and the product by one streaming GEMV, where it takes them; else None (see normed)."""
-        if not (stream_gemv.supports(self.x, weight, gated)
+        if not (streamable(self.x, layer, gated)
                 and stream_gemv.supports_norm(self.x, self.residual, self.layernorm.weight)):
             return None
-        return stream_gemv.stream_gemv(self.x, weight, gated, norm=(self.residual, self.new_residual,
-                                                                    self.layernorm.weight, self.layernorm.eps),
-                                       pdl=plan.pdl)
+        return stream_gemv.stream_gemv(self.x, layer.weight, gated, norm=(self.residual, self.new_residual,
+                                                                          self.layernorm.weight, self.layernorm.eps),
+                                       pdl=plan.pdl, scale=row_scales(layer))
 
     def normed(self, plan: ExecutionPlan) -> torch.Tensor:
         """The norm by its own kernel, for a product that does not take it."""
@@ -66,13 +66,30 @@ class PendingNorm:
                             pdl=plan.pdl, launch_first=True)
 
 
-def skinny_product(x: torch.Tensor, weight: torch.Tensor, plan: ExecutionPlan, gated: bool = False
+def is_fp8(layer: nn.Module) -> bool:
+    """An fp8 linear layer (models/quant.py: Fp8Linear, its weight float8 e4m3 with float32 scales)."""
+    return layer.weight.dtype == torch.float8_e4m3fn
+
+
+def row_scales(layer: nn.Module) -> torch.Tensor | None:
+    """An fp8 layer's per-row scales (None for a bf16 layer)."""
+    return layer.weight_scale if is_fp8(layer) else None
+
+
+def streamable(x: torch.Tensor, layer: nn.Module, gated: bool) -> bool:
+    """Whether the streaming GEMV takes this product: a bf16 weight, or an fp8 one with a scale per row."""
+    return stream_gemv.supports(x, layer.weight, gated) and (not is_fp8(layer) or layer.block is None)
+
+
+def skinny_product(x: torch.Tensor, layer: nn.Module, plan: ExecutionPlan, gated: bool = False
                    ) -> torch.Tensor | None:
     """A decode step's product on the fast path: the streaming GEMV for a single row where the plan streams, the
-    Triton GEMV with the plan's tile for a few rows; None for a product the GEMVs do not take (a prefill)."""
-    if plan.streams(x.shape[0], x.shape[1], x.dtype) and stream_gemv.supports(x, weight, gated):
-        return stream_gemv.stream_gemv(x, weight, gated, pdl=plan.pdl)
-    if not gemv.supports(x, weight):
+    Triton GEMV with the plan's tile for a few rows; None for a product these do not take (a prefill, an fp8
+    layer's few rows: Fp8Linear.fast_product)."""
+    if plan.streams(x.shape[0], x.shape[1], x.dtype) and streamable(x, layer, gated):
+        return stream_gemv.stream_gemv(x, layer.weight, gated, pdl=plan.pdl, scale=row_scales(layer))
+    weight = layer.weight
+    if is_fp8(layer) or not gemv.supports(x, weight):
         return None
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     tile = plan.gemv_tile(gemv.tile_key(n, x.shape[1], gated, weight.dtype))
@@ -83,11 +100,13 @@ def linear(x: torch.Tensor | PendingNorm, layer: nn.Linear, plan: ExecutionPlan)
     """A linear layer; on the fast path a skinny product (decode) runs a bandwidth-tuned GEMV kernel, and the
     norm before it too where that was left pending."""
     if isinstance(x, PendingNorm):
-        y = x.product(layer.weight, plan)
+        y = x.product(layer, plan)
         if y is None:
             return linear(x.normed(plan), layer, plan)
-    elif not plan.kernels or (y := skinny_product(x, layer.weight, plan)) is None:
+    elif not plan.kernels:
         return layer(x)
+    elif (y := skinny_product(x, layer, plan)) is None:
+        return layer.fast_product(x, pdl=plan.pdl) if is_fp8(layer) else layer(x)
     return y if layer.bias is None else y + layer.bias
 
 
@@ -95,7 +114,7 @@ def residual_linear(x: torch.Tensor, layer: nn.Linear, plan: ExecutionPlan, resi
     """A product that the residual stream takes next. With the plan's residual_in_gemm, a GEMM (prefill) adds it
     into `residual` in place and None is returned; otherwise the product, for the norm's fused add (decode: the
     GEMV has no epilogue)."""
-    if (plan.residual_in_gemm and residual is not None and layer.bias is None
+    if (plan.residual_in_gemm and residual is not None and layer.bias is None and not is_fp8(layer)
             and not gemv.supports(x, layer.weight)):
         residual.addmm_(x, layer.weight.t())
         return None
@@ -227,15 +246,18 @@ class MLP(nn.Module):
 
     def _fast_activation(self, x: torch.Tensor | PendingNorm, plan: ExecutionPlan) -> torch.Tensor:
         """SiLU(gate) * up, in the gate_up product's kernel where it can be."""
-        w = self.gate_up_proj.weight
+        layer = self.gate_up_proj
+        w = layer.weight
         if isinstance(x, PendingNorm):  # decode, batch 1: the norm, the GEMV and SiLU*up in one kernel
-            act = x.product(w, plan, gated=True)
+            act = x.product(layer, plan, gated=True)
             if act is not None:
                 return act
             x = x.normed(plan)
-        act = skinny_product(x, w, plan, gated=True)  # decode: SiLU*up fused into the gate_up GEMV
+        act = skinny_product(x, layer, plan, gated=True)  # decode: SiLU*up fused into the gate_up GEMV
         if act is not None:
             return act
+        if is_fp8(layer):
+            return layer.fast_product(x, gated=True, pdl=plan.pdl)
         if matmul.supports_gated(x, w):  # a long prefill: SiLU*up in the GEMM's epilogue
             return matmul.matmul(x, w, matmul.GATED_TILE, gated=True, pdl=plan.pdl)
         return silu_mul(self.gate_up_proj(x), pdl=plan.pdl)
