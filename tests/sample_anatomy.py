@@ -252,12 +252,13 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
             available=True, note="NVML, polled at 50 Hz on a background thread", sample_hz=50.0,
             counter_update_ms=20.0,
             energy=[
-                EnergyRecord("prefill", prefill_j, 0.9, prefill_j / prompt_tokens,
-                             "NVML total-energy counter, interpolated to the phase edges"),
-                EnergyRecord("decode", decode_j, 1.2, decode_j / max(1, steps),
-                             "NVML total-energy counter, interpolated to the phase edges"),
-                EnergyRecord("call", prefill_j + decode_j + 0.3, 1.6, (prefill_j + decode_j + 0.3) / n_out,
-                             "NVML total-energy counter, over the whole call"),
+                EnergyRecord("prefill", prefill_j, 0.0, prefill_j + 9.4, prefill_j / prompt_tokens,
+                             "NVML total-energy counter, interpolated to the phase edges", prefill_start, ttft, True),
+                EnergyRecord("decode", decode_j, decode_j - 1.2, decode_j + 1.3, decode_j / max(1, steps),
+                             "NVML total-energy counter, interpolated to the phase edges", ttft, last_token),
+                EnergyRecord("call", prefill_j + decode_j + 0.3, prefill_j + decode_j - 1.6,
+                             prefill_j + decode_j + 2.1, (prefill_j + decode_j + 0.3) / n_out,
+                             "NVML total-energy counter, over the whole call", 0.0, e2e),
             ],
         )
 

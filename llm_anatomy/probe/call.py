@@ -15,6 +15,7 @@ from ..engine.engine import Engine, GenerationResult
 from ..anatomy import Ceilings
 from .ceilings import device_name
 from .clock import Clock
+from .cost import device_shapes
 from .memory import census
 from .recorder import (Recorder, RequestTrace, batching_record, decode_records, decode_summary, kv_record,
                        prefill_record, telemetry)
@@ -112,13 +113,28 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
     if cuda:
         torch.cuda.synchronize(engine.device)
         activation_peak = torch.cuda.max_memory_allocated(engine.device) - resident
+        peak_note = ACTIVATION_PEAK_GRAPHS if uses_cuda_graphs(engine) else ACTIVATION_PEAK_EAGER
     else:
-        activation_peak = None
-    samples = sampler.stop() if sampler is not None else []
+        activation_peak, peak_note = None, "not measured on the host (no device allocator)"
+    samples = sampler.stop(marks.end) if sampler is not None else []
     result = engine.result(seq, prompt_text)
     return result, build_anatomy(engine, request.describe(), result, trace, ceilings,
                                  TelemetryWindow(samples, available, note, telemetry_hz), device_why, marks,
-                                 activation_peak)
+                                 activation_peak, activation_peak_note=peak_note)
+
+
+ACTIVATION_PEAK_EAGER = "the peak allocated above the resident tensors during the call; every step ran eagerly"
+ACTIVATION_PEAK_GRAPHS = ("the peak allocated above the resident tensors during the call by the work launched "
+                          "eagerly (sampling, a prompt longer than the captured lengths); steps replayed from CUDA "
+                          "graphs run in the graphs' own memory pool (the cuda_graphs row), which this does not see")
+
+
+def uses_cuda_graphs(engine: Engine) -> bool:
+    """Whether the engine replays captured CUDA graphs (engine.graphs, or its runner's)."""
+    if getattr(engine, "graphs", None) is not None:
+        return True
+    runner = getattr(engine, "runner", None)
+    return bool(getattr(runner, "graphs", None))
 
 
 def attributed_energy(rec: RequestTrace, energy: list[EnergyRecord], e2e_ms: float, tokens: int
@@ -132,25 +148,32 @@ def attributed_energy(rec: RequestTrace, energy: list[EnergyRecord], e2e_ms: flo
                    for r in rec.chunks + rec.steps)
     fraction = share_ms / e2e_ms
     joules = call.joules * fraction
-    return EnergyRecord("call_attributed", joules, call.uncertainty_j * fraction, joules / tokens if tokens else None,
+    return EnergyRecord("call_attributed", joules, call.low_j * fraction,
+                        call.high_j * fraction if call.high_j is not None else None,
+                        joules / tokens if tokens else None,
                         f"this request's share: the call's energy x (its share of the device time, {share_ms:.1f} ms "
                         f"of its {e2e_ms:.1f} ms, each step weighted by its tokens' fraction of the step); an "
-                        f"estimate that splits each step's energy in proportion to tokens")
+                        f"estimate that splits each step's energy in proportion to tokens",
+                        call.start_ms, call.end_ms, call.shorter_than_update)
 
 
 def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: RequestTrace, ceilings: Ceilings,
                   window: TelemetryWindow, device_why: str, marks: Marks, activation_peak: int | None = None,
-                  notes: list[str] | None = None) -> Anatomy:
-    """The Anatomy of one finished request from its trace. `request` is what was asked (shown as is)."""
+                  notes: list[str] | None = None, activation_peak_note: str = "not measured for this call"
+                  ) -> Anatomy:
+    """The Anatomy of one finished request from its trace. `request` is what was asked (shown as is). The phases
+    tile the call without overlapping: the decode phase starts when the prefill's token is emitted."""
     clock = rec.clock
-    t_parse, t_template, t_tokenize, t_queue, t_end = (clock.ms(t) for t in (
-        marks.received, marks.template, marks.tokenize, marks.queue, marks.end))
+    t_parse, t_template, t_tokenize, t_queue = (clock.ms(t) for t in (
+        marks.received, marks.template, marks.tokenize, marks.queue))
     prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
-    prefill = prefill_record(rec, prefill_step, engine, ceilings)
-    steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, engine.tokenizer.token_text, prefill_step)
+    shapes = device_shapes(engine.device)
+    prefill = prefill_record(rec, prefill_step, engine, ceilings, shapes)
+    steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, engine.tokenizer.token_text, prefill_step,
+                                  shapes)
     token_times = [clock.ms(r.step.t_end_ns) for r in rec.steps]
     ttft = token_times[0]
-    e2e = t_end
+    e2e = token_times[-1]  # the last token on the host (vLLM's E2EL)
     n_out = len(result.output_token_ids)
     itl = [b - a for a, b in zip(token_times, token_times[1:])]
     tpot = (token_times[-1] - ttft) / (n_out - 1) if n_out > 1 else None
@@ -166,14 +189,15 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
               + (f" (a step of {prefill.batch_size} requests)" if prefill.batch_size > 1 else "")),
     ]
     if decode_steps_raw:
-        phases.append(Phase("decode", clock.ms(decode_steps_raw[0].step.t_start_ns), token_times[-1],
+        phases.append(Phase("decode", ttft, e2e,
                             f"{len(steps)} steps, one token each"
                             + (f", in batches of up to {batching.max_batch_size}" if batched else "")))
     phases.append(Phase("e2e", 0.0, e2e, "the whole call"))
     detokenize_ms = sum(r.step.detokenize_ns for r in rec.steps) / 1e6
-    spans = {"prefill": (prefill_start, ttft, prefill.tokens)}
+    # spans that tile the call, so that their energies add up to its own
+    spans = {"before_prefill": (0.0, prefill_start, 0), "prefill": (prefill_start, ttft, prefill.tokens)}
     if steps:
-        spans["decode"] = (steps[0].start_ms, steps[-1].end_ms, len(steps))
+        spans["decode"] = (ttft, e2e, len(steps))
     spans["call"] = (0.0, e2e, n_out)
     tele, gpu_samples = telemetry(window.samples, clock, window.available, window.note, window.hz, spans)
     if batched:  # the device's energy over this request's time was spent on the other requests too
@@ -186,6 +210,7 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
     kv = kv_record(engine, rec, rec.seq)
     memory = census(engine.device, engine.weights.bytes, engine.pool.total_bytes, engine.runner.graph_bytes,
                     activation_peak)
+    memory.activation_peak_note = activation_peak_note
     config = engine.config
     notes = list(notes or [])
     if engine.weights.kind == "synthetic":

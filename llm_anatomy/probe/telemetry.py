@@ -73,18 +73,41 @@ def _open(nvml, uuid: str | None, index: int):
     return nvml.nvmlDeviceGetHandleByIndex(index)
 
 
+# How long the sampler waits for the energy counter to update before a measured window and after it: a few of
+# its update intervals (about 100 ms on an H200, 20 ms on some GPUs).
+COUNTER_WAIT_S = 1.0
+
+
+def _sample_until_update(nvml, handle, samples: list, interval_s: float, after_ns: int, deadline: float) -> None:
+    """Append samples until one shows the energy counter changed from a sample taken at or after `after_ns`
+    (then the update surely happened after that instant), or until `deadline` (perf_counter seconds)."""
+    while time.perf_counter() < deadline:
+        last = samples[-1]
+        time.sleep(interval_s)
+        samples.append(_read(nvml, handle))
+        if last.energy_mj is None or samples[-1].energy_mj is None:
+            return  # no counter on this device: nothing to wait for
+        if last.t_ns >= after_ns and samples[-1].energy_mj != last.energy_mj:
+            return
+
+
 def _sampler_main(conn, uuid: str | None, index: int, interval_s: float) -> None:
+    """Sample until told to stop. Before saying ready, wait for a counter update (the window then starts after a
+    known one); when told to stop at an instant, keep sampling until the counter has updated after it (a tail)."""
     import pynvml as nvml
 
     nvml.nvmlInit()
     handle = _open(nvml, uuid, index)
     samples = [_read(nvml, handle)]
+    _sample_until_update(nvml, handle, samples, interval_s, samples[0].t_ns, time.perf_counter() + COUNTER_WAIT_S)
     conn.send("ready")
     next_t = time.perf_counter()
     while not conn.poll():
         next_t += interval_s
         time.sleep(max(0.0, next_t - time.perf_counter()))
         samples.append(_read(nvml, handle))
+    _, end_ns = conn.recv()
+    _sample_until_update(nvml, handle, samples, interval_s, end_ns, time.perf_counter() + COUNTER_WAIT_S)
     conn.send(samples)
     nvml.nvmlShutdown()
 
@@ -142,7 +165,8 @@ def _spawn(target, args: tuple):
 
 
 class GpuTelemetry:
-    """Samples one GPU at `hz` from start() to stop(), in a child process."""
+    """Samples one GPU at `hz` from start() to stop(), in a child process, with an energy-counter update before
+    the window (start returns after one) and one after it (stop waits for it)."""
 
     def __init__(self, device, hz: float = 100.0):
         self.hz = hz
@@ -153,10 +177,11 @@ class GpuTelemetry:
     def start(self) -> None:
         self._process, self._conn = _spawn(_sampler_main, (self.uuid, self.index, 1.0 / self.hz))
 
-    def stop(self) -> list[RawSample]:
+    def stop(self, end_ns: int | None = None) -> list[RawSample]:
+        """The samples, through the first counter update after `end_ns` (default: now), the window's end."""
         if self._process is None:
             return []
-        self._conn.send("stop")
+        self._conn.send(("stop", end_ns if end_ns is not None else time.perf_counter_ns()))
         samples = self._conn.recv() if self._conn.poll(30) else []
         self._process.join(5)
         self._process = None
