@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-calibrate", action="store_true",
                    help="do not measure this device's ceilings if none are cached (datasheet only)")
     o.add_argument("--quiet", action="store_true", help="no terminal report")
+    o.add_argument("--repeat", type=int, metavar="N",
+                   help="after the call, measure J per prefill token and J per decode token in steady state: the "
+                        "prefill N times back to back, then N decode steps at the call's context (each run longer "
+                        "where the energy counter needs it); CUDA GPU with telemetry only")
+    o.add_argument("--dram", action="store_true",
+                   help="after the call, replay its prefill and one decode step under Nsight Compute (ncu on PATH) "
+                        "and show measured DRAM bytes beside the model's")
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible server; every response carries its own anatomy")
     srv.add_argument("model_name", nargs="?", metavar="MODEL", help="as --model")
@@ -153,6 +160,13 @@ def cmd_call(args) -> int:
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
         raise AnatomyError(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
     device = parse_device(args.device)
+    if args.repeat is not None:
+        if not 1 <= args.repeat <= 100_000:
+            raise AnatomyError(f"--repeat must be in 1..100000, got {args.repeat}")
+        if device.type != "cuda" or args.no_telemetry:
+            raise AnatomyError("--repeat measures energy with NVML's energy counter: it needs a CUDA GPU and "
+                               "telemetry (drop --no-telemetry)" + (f"; this call runs on the {device.type}"
+                                                                     if device.type != "cuda" else ""))
     why = f"asked for (--device {args.device})" if args.device else (
         "default: a CUDA GPU was found" if device.type == "cuda" else "default: no CUDA GPU on this machine")
     model = args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
@@ -184,6 +198,17 @@ def cmd_call(args) -> int:
 
         anatomy.kernels = profile_kernels(engine, result.prompt_token_ids, sampling)
         anatomy.notes.append(REPLAY_NOTE)
+    if args.repeat:
+        from .probe.call import steady_energy
+
+        steady_energy(engine, anatomy, args.repeat)
+    if args.dram:
+        from .probe.dram import DramReplay, apply_dram
+
+        replay = DramReplay.of(engine, result.prompt_token_ids, sampling)
+        del engine  # the replay builds its own engine in a child process: this one's memory goes back first
+        print("llm-anatomy: replaying the prefill and one decode step under Nsight Compute", file=sys.stderr)
+        apply_dram(anatomy, replay.measure())
     _write_outputs(anatomy, args)
     return 0
 

@@ -19,6 +19,7 @@ from .cost import device_shapes
 from .memory import census
 from .recorder import (Recorder, RequestTrace, batching_record, decode_records, decode_summary, kv_record,
                        prefill_record, telemetry)
+from .energy import measure_steady_energy
 from .telemetry import GpuTelemetry, nvml_status
 from ..prompt import render_prompt
 
@@ -248,3 +249,18 @@ def startup_record(engine: Engine) -> StartupRecord | None:
                          programmatic_dependent_launch=engine.pdl, streaming_gemv=engine.stream_gemv,
                          tile_tuning_s=tuning.seconds if tuning else 0.0,
                          tiles_from_cache=bool(tuning and tuning.source == "cache"))
+
+
+def steady_energy(engine: Engine, anatomy: Anatomy, repeats: int, hz: float = 100.0) -> None:
+    """`--repeat N` after a measured call: steady-state J per prefill token and per decode token (probe/energy.py),
+    into anatomy.steady_energy, with notes on what fell short."""
+    if not anatomy.telemetry.available:
+        anatomy.notes.append(f"--repeat: no steady-state energy: {anatomy.telemetry.note}")
+        return
+    sampling = {k: v for k, v in anatomy.request.get("sampling", {}).items() if k != "max_tokens"}
+    records, notes = measure_steady_energy(
+        engine, anatomy.prompt_token_ids, anatomy.prompt_token_ids + anatomy.output_token_ids, sampling, repeats,
+        anatomy.telemetry.counter_update_ms, anatomy.decode.itl_ms_median if anatomy.decode else None,
+        GpuTelemetry(engine.device, hz))
+    anatomy.steady_energy = records
+    anatomy.notes.extend(notes)

@@ -163,3 +163,110 @@ def steady_rate(updates: list[Update], work: list[Work]) -> Rate | None:
             per_interval.append((b.joules - a.joules) / n)
     return Rate(joules / tokens, joules / most, joules / least if least > 0 else float("inf"), joules, tokens,
                 (first.ms, last.ms), per_interval)
+
+
+# --repeat: a steady-state run spans at least this many of the counter's update intervals (about 2 s on an H200), so
+# that the instants of its two end updates (known to one polling interval) weigh little, and stops after MAX_S.
+MIN_UPDATES = 20
+TARGET = 0.05
+MAX_S = 120.0
+DEFAULT_PERIOD_MS = 100.0
+
+
+def _run_prefills(engine, prompt: list[int], sampling: dict, repeats: int, min_s: float, now_ms) -> list[Work]:
+    """The prompt prefilled alone (one output token), again and again, back to back."""
+    params = engine.sampling_params(**{**sampling, "max_tokens": 1, "ignore_eos": True, "stop": ()})
+    work, start = [], now_ms()
+    previous = start
+    while len(work) < repeats or (previous - start) / 1e3 < min_s:
+        seq = engine.add_request(prompt, params)
+        while not seq.finished:
+            engine.step()
+        end = now_ms()
+        work.append(Work(previous, end, len(prompt)))
+        previous = end
+        if (end - start) / 1e3 > MAX_S:
+            break
+    return work
+
+
+def _run_decode(engine, context: list[int], sampling: dict, steps: int, now_ms) -> list[Work]:
+    """One sequence decoding `steps` tokens after `context`; each step's span runs from the token before it (the
+    prefill's first) to its own, on the host."""
+    params = engine.sampling_params(**{**sampling, "max_tokens": steps + 1, "ignore_eos": True, "stop": ()})
+    seq = engine.add_request(context, params)
+    while not seq.output_token_ids:
+        engine.step()
+    work, previous, seen = [], now_ms(), len(seq.output_token_ids)
+    while not seq.finished:
+        engine.step()
+        now, n = now_ms(), len(seq.output_token_ids)
+        if n > seen:
+            work.append(Work(previous, now, n - seen))
+            previous, seen = now, n
+    return work
+
+
+def _steady_record(phase: str, rate: Rate | None, work: list[Work], updates: int, context: tuple[int, int],
+                   method: str):
+    from ..anatomy import SteadyEnergy
+
+    if rate is None:
+        return None
+    within = rate.rel_halfwidth <= TARGET and rate.rel_standard_error <= TARGET
+    tokens = work[0].tokens
+    return SteadyEnergy(phase, len(work), tokens, context[0], context[1], (work[-1].end_ms - work[0].start_ms) / 1e3,
+                        rate.window_ms[1] - rate.window_ms[0], updates, rate.joules, rate.j_per_token, rate.low,
+                        rate.high, rate.rel_spread, rate.rel_standard_error, within, TARGET, rate.intervals, method)
+
+
+def measure_steady_energy(engine, prompt: list[int], context: list[int], sampling: dict, repeats: int,
+                          period_ms: float | None, itl_ms: float | None, sampler) -> tuple[list, list[str]]:
+    """`--repeat N`: J per prefill token and J per decode token in steady state. The prompt is prefilled N times
+    back to back (and more, until the run spans MIN_UPDATES counter updates); then one sequence decodes from
+    `context` (the call's prompt and output) at least N steps, as many as those updates take at the call's
+    inter-token latency. `sampler` is a started-and-stoppable telemetry (GpuTelemetry). Returns the records and
+    notes on what fell short."""
+    import time
+
+    period = period_ms or DEFAULT_PERIOD_MS
+    min_s = (MIN_UPDATES + 2) * period / 1e3
+    t0 = time.perf_counter_ns()
+
+    def now_ms() -> float:
+        return (time.perf_counter_ns() - t0) / 1e6
+
+    notes = []
+    room = min(engine.max_model_len, engine.pool.capacity_tokens) - len(context) - 1
+    steps = max(repeats, int(min_s * 1e3 / itl_ms) + 1 if itl_ms else repeats)
+    if steps > room:
+        notes.append(f"--repeat: the decode run stops at {room} steps, the room left in the context and the KV pool "
+                     f"after the call's {len(context)} tokens")
+        steps = room
+    sampler.start()
+    prefills = _run_prefills(engine, prompt, sampling, repeats, min_s, now_ms)
+    decodes = _run_decode(engine, context, sampling, steps, now_ms) if steps >= 1 else []
+    samples = sampler.stop(t0 + int(now_ms() * 1e6))
+    updates = counter_updates([((s.t_ns - t0) / 1e6, s.energy_mj / 1e3) for s in samples if s.energy_mj is not None])
+    out = []
+    for phase, work, ctx, method in (
+            ("prefill", prefills, (len(prompt), len(prompt)),
+             f"the prompt ({len(prompt)} tokens) prefilled alone, {len(prefills)} times back to back; the energy "
+             f"counter's difference between its first update surely inside the run and its last, over the prompt "
+             f"tokens prefilled between them (each prefill's span from the previous one's end, host gaps included)"),
+            ("decode", decodes, (len(context) + 1, len(context) + len(decodes)),
+             f"one sequence decoding {len(decodes)} steps from the call's context ({len(context)} tokens); the energy "
+             f"counter's difference between its first update surely after the first token and its last surely "
+             f"before the last token, over the steps between them")):
+        inside = sum(1 for u in updates if work and u.earliest_ms >= work[0].start_ms and u.latest_ms <= work[-1].end_ms)
+        record = _steady_record(phase, steady_rate(updates, work), work, inside, ctx, method) if work else None
+        if record is None:
+            notes.append(f"--repeat: no steady-state {phase} figure: fewer than two energy-counter updates inside "
+                         f"its run")
+            continue
+        if not record.within_target:
+            notes.append(f"--repeat: the {phase} figure is not within {TARGET:.0%} (interval +-"
+                         f"{(record.j_per_token_high - record.j_per_token_low) / 2 / record.j_per_token:.1%}, standard "
+                         f"error {record.standard_error:.1%}): repeat with a larger N")
+        out.append(record)
+    return out, notes
