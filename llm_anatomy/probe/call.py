@@ -121,7 +121,7 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
     result = engine.result(seq, prompt_text)
     return result, build_anatomy(engine, request.describe(), result, trace, ceilings,
                                  TelemetryWindow(samples, available, note, telemetry_hz), device_why, marks,
-                                 activation_peak, activation_peak_note=peak_note)
+                                 activation_peak, activation_peak_note=peak_note, alone=True)
 
 
 ACTIVATION_PEAK_EAGER = "the peak allocated above the resident tensors during the call; every step ran eagerly"
@@ -160,10 +160,11 @@ def attributed_energy(rec: RequestTrace, energy: list[EnergyRecord], e2e_ms: flo
 
 def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: RequestTrace, ceilings: Ceilings,
                   window: TelemetryWindow, device_why: str, marks: Marks, activation_peak: int | None = None,
-                  notes: list[str] | None = None, activation_peak_note: str = "not measured for this call"
-                  ) -> Anatomy:
+                  notes: list[str] | None = None, activation_peak_note: str = "not measured for this call",
+                  alone: bool = False) -> Anatomy:
     """The Anatomy of one finished request from its trace. `request` is what was asked (shown as is). The phases
-    tile the call without overlapping: the decode phase starts when the prefill's token is emitted."""
+    tile the call without overlapping: the decode phase starts when the prefill's token is emitted. `alone`: the
+    request had the device to itself, idle before and after it (measure_call), which the energy model uses."""
     clock = rec.clock
     t_parse, t_template, t_tokenize, t_queue = (clock.ms(t) for t in (
         marks.received, marks.template, marks.tokenize, marks.queue))
@@ -200,7 +201,9 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
     if steps:
         spans["decode"] = (ttft, e2e, len(steps))
     spans["call"] = (0.0, e2e, n_out)
-    tele, gpu_samples = telemetry(window.samples, clock, window.available, window.note, window.hz, spans)
+    # alone on the device (a measured call), it worked from the prefill's start to the last token and idled around
+    busy = (prefill_start, e2e) if alone and not batched else None
+    tele, gpu_samples = telemetry(window.samples, clock, window.available, window.note, window.hz, spans, busy)
     if batched:  # the device's energy over this request's time was spent on the other requests too
         for record in tele.energy:
             record.per_token_j = None

@@ -6,8 +6,9 @@ two samples: its instant is known to one polling interval. The first sample is n
 have been set any time before it.
 
 Energy over a span [a, b] is then read three ways:
-- `joules`: the counter as a piecewise-linear function through its updates (power constant between two
-  updates, interpolated at a and b);
+- `joules`: the integral over the span of a power model consistent with the counter (PowerModel: each update
+  interval's energy spread evenly over it, or, where the device is known to start or stop working inside an
+  interval, at the idle power over its idle part and the rest over its busy part);
 - `low_j`: the energy between the first update surely after a and the last surely before b (certainly spent
   inside the span; 0 when no whole update interval lies inside it);
 - `high_j`: between the last update surely before a and the first surely after b (everything that may have
@@ -56,22 +57,64 @@ class SpanEnergy:
     high_j: float | None
 
 
-def energy_at(updates: list[Update], t: float) -> float:
-    """The counter at t, linear between updates; beyond the first or the last update, extended at the power of
-    the interval next to it."""
-    if len(updates) == 1:
-        return updates[0].joules
-    i = next((i for i, u in enumerate(updates) if u.ms >= t), len(updates) - 1)
-    i = max(1, i)
-    a, b = updates[i - 1], updates[i]
-    return a.joules + (b.joules - a.joules) * (t - a.ms) / (b.ms - a.ms)
+@dataclass(frozen=True)
+class PowerModel:
+    """Power over time, consistent with the counter: piecewise constant, each update interval's energy spread over
+    it evenly, or, where the device's busy window is known and begins or ends inside an interval, at the idle
+    power over its idle part and the rest over its busy part (the idle power from the intervals wholly outside the
+    busy window). Before the first update and after the last, the power of the piece next to them. Every span's
+    energy is an integral of this one function, so spans that tile a window add up to it."""
+
+    pieces: tuple[tuple[float, float, float], ...]  # (start_ms, end_ms, watts), contiguous
+    idle_w: float | None = None
+
+    @classmethod
+    def build(cls, updates: list[Update], busy: tuple[float, float] | None = None) -> "PowerModel":
+        intervals = [(a.ms, b.ms, b.joules - a.joules) for a, b in zip(updates, updates[1:])]
+        idle_w = None
+        if busy is not None:
+            idle = [(t0, t1, e) for t0, t1, e in intervals if t1 <= busy[0] or t0 >= busy[1]]
+            if idle:
+                idle_w = sum(e for _, _, e in idle) / sum(t1 - t0 for t0, t1, _ in idle) * 1e3
+        pieces = []
+        for t0, t1, e in intervals:
+            pieces.extend(_split(t0, t1, e, busy, idle_w))
+        return cls(tuple(pieces), idle_w)
+
+    def joules(self, a: float, b: float) -> float:
+        if b <= a or not self.pieces:
+            return 0.0
+        total = sum(w * (min(b, t1) - max(a, t0)) for t0, t1, w in self.pieces if t1 > a and t0 < b)
+        first, last = self.pieces[0], self.pieces[-1]
+        total += first[2] * max(0.0, min(b, first[0]) - a)  # before the first update
+        total += last[2] * max(0.0, b - max(a, last[1]))  # after the last
+        return total / 1e3
 
 
-def span_energy(updates: list[Update], a: float, b: float) -> SpanEnergy | None:
-    """Energy over [a, b] ms with its bounds (see the module's docstring); None with fewer than two updates."""
+def _split(t0: float, t1: float, joules: float, busy: tuple[float, float] | None, idle_w: float | None
+           ) -> list[tuple[float, float, float]]:
+    """One update interval as pieces of constant power (see PowerModel)."""
+    even = [(t0, t1, joules / (t1 - t0) * 1e3)]
+    if busy is None or idle_w is None:
+        return even
+    b0, b1 = max(t0, busy[0]), min(t1, busy[1])
+    busy_ms = max(0.0, b1 - b0)
+    if busy_ms in (0.0, t1 - t0):
+        return even
+    busy_w = (joules * 1e3 - idle_w * (t1 - t0 - busy_ms)) / busy_ms
+    if busy_w < idle_w:  # the interval spent less than its idle part alone would: nothing to tell apart
+        return even
+    cuts = sorted({t0, b0, b1, t1})
+    return [(x, y, busy_w if b0 <= x and y <= b1 else idle_w) for x, y in zip(cuts, cuts[1:]) if y > x]
+
+
+def span_energy(updates: list[Update], a: float, b: float, model: PowerModel | None = None) -> SpanEnergy | None:
+    """Energy over [a, b] ms with its bounds (see the module's docstring); None with fewer than two updates. The
+    estimate is `model`'s integral (by default, power even over each update interval), kept inside the bounds."""
     if len(updates) < 2:
         return None
-    estimate = max(0.0, energy_at(updates, b) - energy_at(updates, a))
+    model = model or PowerModel.build(updates)
+    estimate = model.joules(a, b)
     inner_start = next((u for u in updates if u.earliest_ms >= a), None)
     inner_end = next((u for u in reversed(updates) if u.latest_ms <= b), None)
     low = 0.0

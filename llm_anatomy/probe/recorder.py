@@ -20,7 +20,7 @@ from ..engine.events import Step
 from ..engine.scheduler import Sequence, Status
 from .clock import Clock
 from .cost import DEFAULT_SHAPES, Cost, KernelShapes, decode_cost, kv_formula, prefill_cost
-from .energy import counter_updates, span_energy, update_period_ms
+from .energy import PowerModel, counter_updates, span_energy, update_period_ms
 from .telemetry import RawSample
 
 
@@ -206,21 +206,26 @@ def classify(cost: Cost, mfu: float | None, mbu: float | None, seconds: float, w
     return Bound(expected, f"{cost.intensity:.1f} FLOP/B {side} ridge {ridge:.0f}; {fraction:.0%} of {which} {what}")
 
 
-def energy_records(samples: list[RawSample], clock: Clock, spans: dict[str, tuple[float, float, int]]
-                   ) -> tuple[list[EnergyRecord], float | None]:
+def energy_records(samples: list[RawSample], clock: Clock, spans: dict[str, tuple[float, float, int]],
+                   busy: tuple[float, float] | None = None) -> tuple[list[EnergyRecord], float | None]:
     """Energy per span (name -> (start_ms, end_ms, tokens)) from the device's energy counter (probe/energy.py),
-    and the counter's update interval."""
+    and the counter's update interval. `busy`: when the device worked for this call alone (ms), if known."""
     updates = counter_updates([(clock.ms(s.t_ns), s.energy_mj / 1e3) for s in samples if s.energy_mj is not None])
     period = update_period_ms(updates)
     if period is None:
         return [], None
+    model = PowerModel.build(updates, busy)
+    spread = ("the device's idle power ({:.0f} W, from the update intervals before and after its work) over the "
+              "idle part of the intervals where its work began and ended, the rest over their busy part; elsewhere "
+              "evenly over each interval".format(model.idle_w) if model.idle_w is not None
+              else "each update interval's energy spread evenly over it")
     out = []
     for name, (a, b, tokens) in spans.items():
-        e = span_energy(updates, a, b)
+        e = span_energy(updates, a, b, model)
         short = b - a < period
-        method = (f"NVML total-energy counter (updates every ~{period:.0f} ms), interpolated between its updates; "
-                  f"low: between the first update surely after the span's start and the last surely before its "
-                  f"end; high: between the last update surely before it and the first surely after it")
+        method = (f"NVML total-energy counter (updates every ~{period:.0f} ms): {spread}; low: between the first "
+                  f"update surely after the span's start and the last surely before its end; high: between the "
+                  f"last update surely before it and the first surely after it")
         if short:
             method += (f"; the span ({b - a:.1f} ms) is shorter than the counter's update interval, so its figure "
                        f"is an interpolation and its low bound is not informative: `llm-anatomy call --repeat N` "
@@ -233,7 +238,8 @@ def energy_records(samples: list[RawSample], clock: Clock, spans: dict[str, tupl
 
 
 def telemetry(samples: list[RawSample], clock: Clock, available: bool, note: str, hz: float,
-              spans: dict[str, tuple[float, float, int]]) -> tuple[Telemetry, list[GpuSample]]:
+              spans: dict[str, tuple[float, float, int]], busy: tuple[float, float] | None = None
+              ) -> tuple[Telemetry, list[GpuSample]]:
     if not available:
         return Telemetry(False, note), []
     energy0 = next((s.energy_mj for s in samples if s.energy_mj is not None), None)
@@ -241,7 +247,7 @@ def telemetry(samples: list[RawSample], clock: Clock, available: bool, note: str
                            (s.energy_mj - energy0) / 1e3 if s.energy_mj is not None and energy0 is not None else None,
                            s.sm_mhz, s.mem_mhz, s.gpu_util, s.mem_util, s.mem_used, s.temperature_c, s.throttle)
                  for s in samples]
-    energy, interval = energy_records(samples, clock, spans)
+    energy, interval = energy_records(samples, clock, spans, busy)
     duration = (samples[-1].t_ns - samples[0].t_ns) / 1e9 if len(samples) > 1 else 0
     rate = (len(samples) - 1) / duration if duration else 0.0
     return Telemetry(True, f"NVML sampled from a separate process at {rate:.0f} Hz (asked {hz:.0f} Hz)", rate,
