@@ -170,3 +170,16 @@ def test_repeat_runs_give_steady_figures(save_tiny):
         assert r.within_target == (halfwidth <= 0.05 and r.standard_error <= 0.05)
         assert "back to back" in r.method or "decoding" in r.method
     assert engine.pool.num_free_blocks == engine.pool.num_blocks  # every repeat's blocks given back
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--repeat", "0"], "--repeat must be in 1..100000, got 0"),
+    (["--repeat", "100001"], "--repeat must be in 1..100000"),
+    (["--repeat", "5", "--device", "cpu"], "it needs a CUDA GPU and telemetry"),
+])
+def test_cli_repeat_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    from llm_anatomy.cli import main
+
+    code = main(["call", "hi", "--no-calibrate", "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
