@@ -463,6 +463,7 @@ class Anatomy:
                 "co_scheduled_requests": len(b.co_scheduled), "stall_ms": b.stall_ms, "preemptions": b.preemptions},
             "energy_j": call_energy.joules if call_energy else None,
             "energy_interval_j": [call_energy.low_j, call_energy.high_j] if call_energy else None,
+            "steady_j_per_token": {r.phase: r.j_per_token for r in self.steady_energy} or None,
         }
 
     def to_json(self, indent: int | None = None) -> str:

@@ -217,6 +217,8 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
     memory.activation_peak_note = activation_peak_note
     config = engine.config
     notes = list(notes or [])
+    notes.append("FLOPs and bytes (and so MFU, MBU and the roofline) are the cost model's, not measured "
+                 "(docs/anatomy.md); `llm-anatomy call --dram` measures DRAM bytes with Nsight Compute.")
     if engine.weights.kind == "synthetic":
         notes.append("Synthetic random weights: timings, memory, bytes and energy are those of the real model; "
                      "the text is not.")
