@@ -207,8 +207,7 @@ def cmd_call(args) -> int:
 
         replay = DramReplay.of(engine, result.prompt_token_ids, sampling)
         del engine  # the replay builds its own engine in a child process: this one's memory goes back first
-        print("llm-anatomy: replaying the prefill and one decode step under Nsight Compute", file=sys.stderr)
-        apply_dram(anatomy, replay.measure())
+        apply_dram(anatomy, replay.measure(progress=lambda line: print(f"llm-anatomy: {line}", file=sys.stderr)))
     _write_outputs(anatomy, args)
     return 0
 

@@ -13,6 +13,7 @@ import math
 
 from llm_anatomy.anatomy import (
     Anatomy,
+    percentile,
     BatchingRecord,
     Bound,
     Ceilings,
@@ -172,7 +173,7 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
         total_bytes = sum(s.bytes for s in decode_steps)
         decode = DecodeSummary(
             steps=steps, gpu_ms_median=_median(gpu_list), host_ms_median=_median(host_list),
-            itl_ms_median=_median(itl), itl_ms_p90=sorted(itl)[int(0.9 * (len(itl) - 1))],
+            itl_ms_median=_median(itl), itl_ms_p90=percentile(itl, 90),
             tokens_per_s=steps / ((last_token - ttft) * 1e-3), bytes_per_step_median=med_bytes,
             kv_share_of_bytes=med_kv / med_bytes,
             roofline=_roofline(total_flops, total_bytes, sum(gpu_list), ceilings, "memory",

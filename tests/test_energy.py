@@ -183,3 +183,52 @@ def test_cli_repeat_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code = main(["call", "hi", "--no-calibrate", "--device", "cpu", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+class FakeNvml:
+    """The calls telemetry._read makes; the energy counter steps by 1 J every `every` reads (None: no counter)."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU = 0, 1, 0
+
+    def __init__(self, every: int | None):
+        self.every, self.reads = every, 0
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        self.reads += 1
+        if self.every is None:
+            raise self.NVMLError("not supported")
+        return self.reads // self.every * 1000
+
+    def _unsupported(self, *args):
+        raise self.NVMLError("not supported")
+
+    nvmlDeviceGetPowerUsage = nvmlDeviceGetClockInfo = nvmlDeviceGetUtilizationRates = _unsupported
+    nvmlDeviceGetMemoryInfo = nvmlDeviceGetTemperature = nvmlDeviceGetCurrentClocksEventReasons = _unsupported
+
+
+def test_the_sampler_waits_for_counter_updates_around_the_window():
+    from llm_anatomy.probe.telemetry import UPDATES_AROUND, _read, _sample_until_updates
+
+    nvml = FakeNvml(every=3)
+    samples = [_read(nvml, None)]
+    _sample_until_updates(nvml, None, samples, 0.0, samples[0].t_ns, time.perf_counter() + 5)
+    assert len(counter_updates([(s.t_ns / 1e6, s.energy_mj) for s in samples])) == UPDATES_AROUND == 2
+    # after an instant: only changes between samples taken from then on count
+    end_ns = time.perf_counter_ns()
+    before = len(samples)
+    _sample_until_updates(nvml, None, samples, 0.0, end_ns, time.perf_counter() + 5)
+    after = [(s.t_ns / 1e6, s.energy_mj) for s in samples[before - 1:]]
+    assert [u for u in counter_updates(after) if u.earliest_ms >= end_ns / 1e6][:2] == counter_updates(after)[-2:]
+    # a counter that never moves: gives up at the deadline; no counter at all: does not wait
+    still = FakeNvml(every=10**9)
+    samples = [_read(still, None)]
+    t = time.perf_counter()
+    _sample_until_updates(still, None, samples, 0.001, samples[0].t_ns, t + 0.05)
+    assert 0.05 <= time.perf_counter() - t < 1.0
+    none = FakeNvml(every=None)
+    samples = [_read(none, None)]
+    _sample_until_updates(none, None, samples, 0.0, samples[0].t_ns, time.perf_counter() + 5)
+    assert len(samples) == 2 and samples[-1].energy_mj is None

@@ -139,8 +139,9 @@ class DramReplay:
         return cls(settings, list(prompt_token_ids), dict(sampling), engine.config, engine.dtype,
                    device_shapes(engine.device), engine.device.type)
 
-    def measure(self, ncu: str | None = None, timeout_s: float = TIMEOUT_S) -> DramRecord:
-        """Run the replay under Nsight Compute; a record that says why not where it cannot."""
+    def measure(self, ncu: str | None = None, timeout_s: float = TIMEOUT_S, progress=None) -> DramRecord:
+        """Run the replay under Nsight Compute; a record that says why not where it cannot. `progress(line)` is
+        told when the (minutes long) replay starts."""
         ncu = ncu or shutil.which("ncu")
         if self.device_type != "cuda":
             return DramRecord(False, "DRAM bytes not measured: the call ran on the host, and Nsight Compute "
@@ -158,6 +159,8 @@ class DramReplay:
                                         "sampling": self.sampling}))
             command = ncu_command(ncu, spec)
             shown = " ".join(command[:-1] + ["SPEC.json"])
+            if progress is not None:
+                progress("replaying the prefill and one decode step under Nsight Compute (minutes)")
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
             except subprocess.TimeoutExpired:
