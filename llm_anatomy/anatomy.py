@@ -263,7 +263,7 @@ class SteadyEnergy:
     joules: float  # over the window
     j_per_token: float
     j_per_token_low: float
-    j_per_token_high: float
+    j_per_token_high: float | None  # None: no repeat lay wholly inside the window
     spread: float  # standard deviation of the per-interval J/token over their mean
     standard_error: float  # of the mean, relative: spread / sqrt(intervals)
     within_target: bool  # interval half-width and standard error both within `target`

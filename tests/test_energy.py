@@ -232,3 +232,9 @@ def test_the_sampler_waits_for_counter_updates_around_the_window():
     samples = [_read(none, None)]
     _sample_until_updates(none, None, samples, 0.0, samples[0].t_ns, time.perf_counter() + 5)
     assert len(samples) == 2 and samples[-1].energy_mj is None
+
+
+def test_a_window_with_no_whole_unit_inside_has_no_upper_bound():
+    work = [Work(0.0, 400.0, 16), Work(400.0, 800.0, 16)]  # two long units; updates at 95..795 inside
+    rate = steady_rate(counter_updates(stream([(float("-inf"), 400.0)], t_to=900.0)), work)
+    assert rate.high is None and rate.rel_halfwidth == float("inf") and rate.j_per_token == pytest.approx(10.0)

@@ -160,7 +160,7 @@ class Rate:
 
     j_per_token: float
     low: float
-    high: float
+    high: float | None  # None: no unit of work lies wholly inside the window
     joules: float  # over the window
     tokens: float  # done in the window (even progress within each unit)
     window_ms: tuple[float, float]
@@ -168,7 +168,7 @@ class Rate:
 
     @property
     def rel_halfwidth(self) -> float:
-        return (self.high - self.low) / 2 / self.j_per_token
+        return (self.high - self.low) / 2 / self.j_per_token if self.high is not None else float("inf")
 
     @property
     def rel_spread(self) -> float:
@@ -204,7 +204,7 @@ def steady_rate(updates: list[Update], work: list[Work]) -> Rate | None:
         n = _tokens_in(work, a.ms, b.ms, "mid")
         if n > 0:
             per_interval.append((b.joules - a.joules) / n)
-    return Rate(joules / tokens, joules / most, joules / least if least > 0 else float("inf"), joules, tokens,
+    return Rate(joules / tokens, joules / most, joules / least if least > 0 else None, joules, tokens,
                 (first.ms, last.ms), per_interval)
 
 
@@ -301,15 +301,17 @@ def measure_steady_energy(engine, prompt: list[int], context: list[int], samplin
              f"one sequence decoding {len(decodes)} steps from the call's context ({len(context)} tokens); the energy "
              f"counter's difference between its first update surely after the first token and its last surely "
              f"before the last token, over the steps between them")):
-        inside = sum(1 for u in updates if work and u.earliest_ms >= work[0].start_ms and u.latest_ms <= work[-1].end_ms)
+        inside = sum(1 for u in updates
+                     if work and u.earliest_ms >= work[0].start_ms and u.latest_ms <= work[-1].end_ms)
         record = _steady_record(phase, steady_rate(updates, work), work, inside, ctx, method) if work else None
         if record is None:
             notes.append(f"--repeat: no steady-state {phase} figure: fewer than two energy-counter updates inside "
                          f"its run")
             continue
         if not record.within_target:
-            notes.append(f"--repeat: the {phase} figure is not within {TARGET:.0%} (interval +-"
-                         f"{(record.j_per_token_high - record.j_per_token_low) / 2 / record.j_per_token:.1%}, standard "
+            width = ("unbounded above" if record.j_per_token_high is None else
+                     f"+-{(record.j_per_token_high - record.j_per_token_low) / 2 / record.j_per_token:.1%}")
+            notes.append(f"--repeat: the {phase} figure is not within {TARGET:.0%} (interval {width}, standard "
                          f"error {record.standard_error:.1%}): repeat with a larger N")
         out.append(record)
     return out, notes
