@@ -33,6 +33,7 @@ def test_modelled_bytes_against_nsight_compute(prompt, prefill_within, decode_wi
     for phase, within in ((prefill, prefill_within), (decode, decode_within)):
         print(phase.phase, phase.tokens, phase.context_len, f"measured {phase.measured_bytes / 1e9:.3f} GB, "
               f"modelled {phase.modelled_bytes / 1e9:.3f} GB",
-              {c.category: (round(c.measured_bytes / 1e9, 3), round(c.modelled_bytes / 1e9, 3)) for c in phase.categories})
+              {c.category: (round(c.measured_bytes / 1e9, 3), round(c.modelled_bytes / 1e9, 3))
+               for c in phase.categories})
         if within is not None:
             assert phase.modelled_bytes == pytest.approx(phase.measured_bytes, rel=within)

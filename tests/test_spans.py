@@ -112,4 +112,5 @@ def test_the_record_defines_its_metrics(measured):
 
 
 def test_activation_peak_is_labelled(measured):
-    assert measured.memory.activation_peak is None and "not measured on the host" in measured.memory.activation_peak_note
+    memory = measured.memory
+    assert memory.activation_peak is None and "not measured on the host" in memory.activation_peak_note
