@@ -220,8 +220,9 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
     notes.append("FLOPs and bytes (and so MFU, MBU and the roofline) are the cost model's, not measured "
                  "(docs/anatomy.md); `llm-anatomy call --dram` measures DRAM bytes with Nsight Compute.")
     if engine.weights.kind == "synthetic":
-        notes.append("Synthetic random weights: timings, memory, bytes and energy are those of the real model; "
-                     "the text is not.")
+        notes.append("Synthetic random weights: timings, memory and bytes are those of the real model; energy and "
+                     "power are too on the assumption that random weights draw the power trained ones do (not "
+                     "measured); the text is not.")
     if batched:
         notes.append("Batched with other requests: prefill and decode flops, bytes and device times are those of "
                      "whole steps, shared by every request in them (see batching).")
