@@ -12,16 +12,43 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "2.0"
 
-# How the field defines the latency metrics (after vLLM's benchmarks/serve.py); kept in every record.
+# How the field defines the latency metrics (after vLLM's benchmarks/serve.py); kept in every record, and the same
+# in docs/anatomy.md.
 METRIC_DEFINITIONS = {
     "ttft_ms": "time to first token: from the call's start (request received) to the first output token "
-               "being available on the host; includes parsing, template, tokenization, queueing and prefill",
-    "tpot_ms": "time per output token: (e2e - ttft) / (output tokens - 1), vLLM's TPOT (AIPerf calls it ITL)",
+               "being available on the host, detokenized; includes parsing, template, tokenization, queueing and "
+               "prefill (vLLM's TTFT, measured where the request arrives)",
+    "tpot_ms": "time per output token: (e2e - ttft) / (output tokens - 1), vLLM's TPOT (AIPerf calls it ITL); "
+               "null with one output token",
     "itl_ms": "inter-token latencies: the gaps between consecutive output tokens after the first (vLLM's ITL)",
-    "e2e_ms": "end to end: from the call's start to the last token detokenized",
+    "e2e_ms": "end to end: from the call's start to the last output token on the host, detokenized (vLLM's E2EL)",
+    "decode_tokens_per_s": "decode throughput of one request: (output tokens - 1) / (e2e - ttft) = 1000 / TPOT; "
+                           "the decode phase runs from the first token's emission to the last's, so it excludes "
+                           "the prefill",
+    "percentile": "pN of n values: sorted x, h = (n - 1) N / 100, x[floor(h)] + (h - floor(h)) (x[floor(h) + 1] - "
+                  "x[floor(h)]): linear interpolation between the closest ranks, numpy.percentile's default, as "
+                  "vLLM's benchmark computes its percentiles",
+    "energy_j": "from NVML's total-energy counter: the estimate interpolates it between its updates; low_j is "
+                "what was certainly spent inside the span, high_j what may have been",
+    "bytes": "a model of the device-memory traffic of the step's kernels (docs/anatomy.md); measured ones only "
+             "in `dram` (Nsight Compute)",
 }
+
+
+def percentile(values, q: float) -> float | None:
+    """The q-th percentile (0-100) by linear interpolation between the closest ranks (METRIC_DEFINITIONS); None
+    for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in 0..100, got {q}")
+    h = (len(xs) - 1) * q / 100
+    lo = int(h)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (h - lo) * (xs[hi] - xs[lo])
 
 
 @dataclass
@@ -52,6 +79,11 @@ class Roofline:
     mfu_datasheet: float | None
     mbu_datasheet: float | None
     bound: Bound
+    # With `llm-anatomy call --dram`: the same point placed by the bytes Nsight Compute counted (the `dram` record)
+    dram_bytes: float | None = None
+    dram_intensity: float | None = None
+    dram_gbps: float | None = None
+    dram_mbu: float | None = None  # against the measured read bandwidth
 
 
 @dataclass
@@ -93,6 +125,10 @@ class DecodeStep:
     joined: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
     step_tokens: int = 1  # tokens the whole step forwarded: above batch_size, it also prefilled others' prompts
+    # start_ms is the previous token's emission (steps tile the decode phase); with lookahead the step was
+    # scheduled and launched earlier, at launch_ms, and its device work began at gpu_start_ms
+    launch_ms: float | None = None
+    gpu_start_ms: float | None = None
 
 
 @dataclass
@@ -165,6 +201,7 @@ class MemoryCensus:
     activation_peak: int | None  # transient: peak allocated above the resident tensors during the call (None: not measured)
     source: str  # how it was measured
     kind: str = "device"  # device (a GPU's memory) | host (RAM: the engine ran on the CPU)
+    activation_peak_note: str = ""  # what activation_peak covers (CUDA graphs' steps draw on their own pool)
 
 
 @dataclass
@@ -183,11 +220,23 @@ class GpuSample:
 
 @dataclass
 class EnergyRecord:
+    """Energy over one span of the call (probe/energy.py): an estimate and an interval that is one-sided where the
+    span is shorter than the counter's update interval."""
+
     phase: str
-    joules: float
-    uncertainty_j: float
-    per_token_j: float | None
+    joules: float  # the counter interpolated between its updates
+    low_j: float  # certainly spent inside the span (0 when no whole update interval lies inside it)
+    high_j: float | None  # at most this (None: the counter did not update on both sides of the span)
+    per_token_j: float | None  # joules per token of the span (null for a whole-device span of a batched request)
     method: str
+    start_ms: float = 0.0
+    end_ms: float = 0.0
+    shorter_than_update: bool = False  # the span is shorter than the counter's update interval
+
+    @property
+    def uncertainty_j(self) -> float:
+        """The interval's larger side, for renderers that show one number; low_j and high_j are the record's."""
+        return max(self.joules - self.low_j, (self.high_j if self.high_j is not None else self.joules) - self.joules)
 
 
 @dataclass
@@ -197,6 +246,72 @@ class Telemetry:
     sample_hz: float = 0.0
     counter_update_ms: float | None = None  # observed update interval of the energy counter
     energy: list[EnergyRecord] = field(default_factory=list)
+
+
+@dataclass
+class SteadyEnergy:
+    """`llm-anatomy call --repeat N`: energy per token of one phase in steady state, from its work repeated back to
+    back for whole update intervals of the energy counter (probe/energy.py steady_rate)."""
+
+    phase: str  # prefill | decode
+    repeats: int  # prefills run, or decode steps
+    tokens_per_repeat: int  # prompt tokens per prefill; 1 per decode step
+    context_start: int  # decode: the context of the first step and of the last; prefill: the prompt's length
+    context_end: int
+    seconds: float  # the run, start to end
+    window_ms: float  # between the counter updates the figure uses
+    counter_updates: int  # inside the run
+    joules: float  # over the window
+    j_per_token: float
+    j_per_token_low: float
+    j_per_token_high: float | None  # None: no repeat lay wholly inside the window
+    spread: float  # standard deviation of the per-interval J/token over their mean
+    standard_error: float  # of the mean, relative: spread / sqrt(intervals)
+    within_target: bool  # interval half-width and standard error both within `target`
+    target: float = 0.05
+    intervals_j_per_token: list[float] = field(default_factory=list)
+    method: str = ""
+
+
+@dataclass
+class DramCategory:
+    category: str  # probe/kernels.py's categories
+    kernels: int
+    read_bytes: float
+    write_bytes: float
+    modelled_bytes: float  # the cost model's parts in this category (probe/cost.py PART_CATEGORY)
+
+    @property
+    def measured_bytes(self) -> float:
+        return self.read_bytes + self.write_bytes
+
+
+@dataclass
+class DramPhase:
+    """One replayed step under Nsight Compute: DRAM bytes read and written by its kernels, against the model."""
+
+    phase: str  # prefill | decode
+    tokens: int  # forwarded by the step
+    context_len: int  # the sequence's context after the step
+    read_bytes: float
+    write_bytes: float
+    modelled_bytes: float
+    categories: list[DramCategory] = field(default_factory=list)
+    top_kernels: list[dict[str, Any]] = field(default_factory=list)  # name, category, read_bytes, write_bytes, count
+
+    @property
+    def measured_bytes(self) -> float:
+        return self.read_bytes + self.write_bytes
+
+
+@dataclass
+class DramRecord:
+    """`llm-anatomy call --dram`: the call's prefill and one decode step replayed under Nsight Compute."""
+
+    available: bool
+    note: str  # how it was measured, or why not
+    command: str = ""
+    phases: list[DramPhase] = field(default_factory=list)
 
 
 @dataclass
@@ -303,6 +418,8 @@ class Anatomy:
     kernels: list[KernelBreakdown] = field(default_factory=list)
     batching: BatchingRecord | None = None
     startup: StartupRecord | None = None
+    steady_energy: list[SteadyEnergy] = field(default_factory=list)  # with --repeat
+    dram: DramRecord | None = None  # with --dram
     notes: list[str] = field(default_factory=list)
     id: str = ""
     started_at_unix: float = 0.0
@@ -347,6 +464,8 @@ class Anatomy:
                 "max_batch_size": b.max_batch_size, "mean_batch_size": b.mean_batch_size,
                 "co_scheduled_requests": len(b.co_scheduled), "stall_ms": b.stall_ms, "preemptions": b.preemptions},
             "energy_j": call_energy.joules if call_energy else None,
+            "energy_interval_j": [call_energy.low_j, call_energy.high_j] if call_energy else None,
+            "steady_j_per_token": {r.phase: r.j_per_token for r in self.steady_energy} or None,
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -356,7 +475,8 @@ class Anatomy:
     def from_dict(cls, data: dict) -> "Anatomy":
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise ValueError(f"anatomy schema_version {version!r} is not {SCHEMA_VERSION!r}; re-run the call")
+            raise ValueError(f"anatomy schema_version {version!r} is not {SCHEMA_VERSION!r}, the version this "
+                             f"llm-anatomy reads; re-run the call with this version to get a record it can show")
         return _build(cls, data)
 
     @classmethod

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cli_types import INT64_MAX, INT64_MIN, Parser, input_file, integer, nonempty, output_dir, output_file, real
+from .engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from .errors import AnatomyError, RequestError
 
 DEFAULT_PROMPT = "Explain in one paragraph what a KV cache is and why it makes decoding fast."
@@ -42,6 +43,13 @@ def _add_model_args(p: argparse.ArgumentParser, kv_default: str) -> None:
                                                   "for Qwen3)")
     p.add_argument("--kv-cache-tokens", type=integer(1),
                    help=f"size the KV pool for this many tokens (default: from free memory on a GPU; {kv_default})")
+    p.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="fp8: the linear layers' weights quantized to float8 e4m3 at load, a scale per output channel "
+                        "(W8A8 prefill, fp8-weight decode GEMVs); default: the checkpoint's own precision (an fp8 "
+                        "checkpoint runs as published)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what the KV cache stores: auto (the model's dtype) or fp8 (= fp8_e4m3: half the bytes a "
+                        "token, twice the tokens in the same memory)")
 
 
 def _add_no_calibrate(p: argparse.ArgumentParser) -> None:
@@ -121,6 +129,13 @@ def add_call(sub) -> None:
     o.add_argument("--kernels", action="store_true", help="profile kernels over a replay of prefill + 8 decode steps")
     _add_no_calibrate(o)
     o.add_argument("--quiet", action="store_true", help="no terminal report and no progress line")
+    o.add_argument("--repeat", type=integer(1, 100_000), metavar="N",
+                   help="after the call, measure J per prefill token and J per decode token in steady state: the "
+                        "prefill N times back to back, then N decode steps at the call's context (each run longer "
+                        "where the energy counter needs it); CUDA GPU with telemetry only")
+    o.add_argument("--dram", action="store_true",
+                   help="after the call, replay its prefill and one decode step under Nsight Compute (ncu on PATH) "
+                        "and show measured DRAM bytes beside the model's")
     call.set_defaults(handler=cmd_call)
 
 
@@ -221,6 +236,9 @@ def _preflight(args) -> Preflight:
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < needed:
         raise RequestError(f"--kv-cache-tokens {args.kv_cache_tokens} cannot hold the prompt ({n_prompt} tokens) "
                            f"plus --max-tokens ({args.max_tokens}); give at least {needed}")
+    if args.repeat is not None and (device.type != "cuda" or args.no_telemetry):
+        raise AnatomyError("--repeat measures energy with NVML's energy counter: it needs a CUDA GPU and telemetry"
+                           + (" (drop --no-telemetry)" if args.no_telemetry else f"; this call runs on the {device.type}"))
     kv_tokens = args.kv_cache_tokens
     if kv_tokens is None and device.type == "cpu":
         kv_tokens = needed  # one request: the pool it needs, no more to zero
@@ -233,8 +251,11 @@ def cmd_call(args) -> int:
 
     plan = _preflight(args)
     with ProgressLine(enabled=False if args.quiet else None) as progress:
+        # One request: batch-1 graphs, and prefill graphs no longer than its prompt (start-up compiles no more)
         engine = _load_engine(plan.model, progress, device=plan.device, dtype=args.dtype, weights=args.weights,
-                              kv_cache_tokens=plan.kv_cache_tokens)
+                              kv_cache_tokens=plan.kv_cache_tokens, quantization=args.quantization,
+                              kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=1,
+                              prefill_graph_tokens=plan.prompt_tokens)
         ceilings, note = _ceilings(plan.device, args.no_calibrate, progress)
         settle_heap()
         request = CallRequest(messages=plan.messages, prompt=plan.prompt_text if plan.messages is None else None,
@@ -250,6 +271,18 @@ def cmd_call(args) -> int:
             progress.stage("profiling kernels over a replay of the call")
             anatomy.kernels = profile_kernels(engine, result.prompt_token_ids, plan.sampling)
             anatomy.notes.append(REPLAY_NOTE)
+        if args.repeat:
+            from .probe.call import steady_energy
+
+            progress.stage(f"steady-state energy: the prefill and {args.repeat} decode steps repeated")
+            steady_energy(engine, anatomy, args.repeat)
+        if args.dram:
+            from .probe.dram import DramReplay, apply_dram
+
+            progress.stage("replaying the prefill and a decode step under Nsight Compute")
+            replay = DramReplay.of(engine, result.prompt_token_ids, plan.sampling)
+            del engine  # the replay builds its own engine in a child process: this one's memory goes back first
+            apply_dram(anatomy, replay.measure(progress=progress.stage))
     _write_outputs(anatomy, args)
     return 0
 
@@ -342,7 +375,8 @@ def cmd_serve(args) -> int:
         engine = _load_engine(model, progress, device=device, dtype=args.dtype, weights=args.weights,
                               kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                              mixed_steps=args.mixed_steps,
+                              mixed_steps=args.mixed_steps, quantization=args.quantization,
+                              kv_cache_dtype=args.kv_cache_dtype,
                               gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
         ceilings, _ = _ceilings(device, args.no_calibrate, progress)  # a busy calibration: load_or_calibrate warns
     settle_heap()

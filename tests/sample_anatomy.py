@@ -13,6 +13,7 @@ import math
 
 from llm_anatomy.anatomy import (
     Anatomy,
+    percentile,
     BatchingRecord,
     Bound,
     Ceilings,
@@ -172,7 +173,7 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
         total_bytes = sum(s.bytes for s in decode_steps)
         decode = DecodeSummary(
             steps=steps, gpu_ms_median=_median(gpu_list), host_ms_median=_median(host_list),
-            itl_ms_median=_median(itl), itl_ms_p90=sorted(itl)[int(0.9 * (len(itl) - 1))],
+            itl_ms_median=_median(itl), itl_ms_p90=percentile(itl, 90),
             tokens_per_s=steps / ((last_token - ttft) * 1e-3), bytes_per_step_median=med_bytes,
             kv_share_of_bytes=med_kv / med_bytes,
             roofline=_roofline(total_flops, total_bytes, sum(gpu_list), ceilings, "memory",
@@ -253,12 +254,13 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
             available=True, note="NVML, polled at 50 Hz on a background thread", sample_hz=50.0,
             counter_update_ms=20.0,
             energy=[
-                EnergyRecord("prefill", prefill_j, 0.9, prefill_j / prompt_tokens,
-                             "NVML total-energy counter, interpolated to the phase edges"),
-                EnergyRecord("decode", decode_j, 1.2, decode_j / max(1, steps),
-                             "NVML total-energy counter, interpolated to the phase edges"),
-                EnergyRecord("call", prefill_j + decode_j + 0.3, 1.6, (prefill_j + decode_j + 0.3) / n_out,
-                             "NVML total-energy counter, over the whole call"),
+                EnergyRecord("prefill", prefill_j, 0.0, prefill_j + 9.4, prefill_j / prompt_tokens,
+                             "NVML total-energy counter, interpolated to the phase edges", prefill_start, ttft, True),
+                EnergyRecord("decode", decode_j, decode_j - 1.2, decode_j + 1.3, decode_j / max(1, steps),
+                             "NVML total-energy counter, interpolated to the phase edges", ttft, last_token),
+                EnergyRecord("call", prefill_j + decode_j + 0.3, prefill_j + decode_j - 1.6,
+                             prefill_j + decode_j + 2.1, (prefill_j + decode_j + 0.3) / n_out,
+                             "NVML total-energy counter, over the whole call", 0.0, e2e),
             ],
         )
 

@@ -1,64 +1,161 @@
-"""The cost model against torch's FlopCounterMode on the real network, and against the published Qwen3-8B figures."""
+"""The cost model: FLOPs against torch's FlopCounterMode on the network's own causal forward, bytes against a hand
+count for a tiny model and against Nsight Compute's counts for Qwen3-8B."""
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias
 from torch.utils.flop_counter import FlopCounterMode
 
 from llm_anatomy import Engine
 from llm_anatomy.hub import resolve
 from llm_anatomy.models import attention
 from llm_anatomy.models.config import ModelConfig
-from llm_anatomy.probe.cost import decode_cost, prefill_cost, weight_bytes_per_step
+from llm_anatomy.probe.cost import (GemmTiling, KernelShapes, decode_cost, gemm_reads, prefill_cost,
+                                    weight_bytes_per_step)
+
+from conftest import tiny_hf_config
+
+SDPA = F.scaled_dot_product_attention
 
 
-def matmul_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
-    """SDPA spelled out in matmuls, so FlopCounterMode sees attention's FLOPs (it cannot see the CPU kernel)."""
+def exact_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, scale=None):
+    """SDPA in matmuls over each query's unmasked keys only, so that FlopCounterMode (blind to the CPU's fused
+    kernel) counts exactly the attention a causal or masked forward needs. Checked against SDPA itself."""
     if enable_gqa:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if isinstance(attn_mask, CausalBias):
+        attn_mask = attn_mask._materialize(q.device)
     if is_causal:
-        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return scores.softmax(-1) @ v
+        attn_mask = torch.ones(n_q, n_k, dtype=torch.bool).tril()
+    if attn_mask is None:
+        attn_mask = torch.ones(n_q, n_k, dtype=torch.bool)
+    mask = attn_mask.expand(*q.shape[:-2], n_q, n_k)
+    out = torch.empty_like(q)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in q.shape[:-2])).reshape(-1, q.dim() - 2).tolist():
+        qi, ki, vi, mi = q[tuple(index)], k[tuple(index)], v[tuple(index)], mask[tuple(index)]
+        for row in range(n_q):
+            keys = mi[row].nonzero().squeeze(-1)
+            scores = qi[row:row + 1] @ ki[keys].T * (scale or q.shape[-1] ** -0.5)
+            out[tuple(index)][row] = (scores.softmax(-1) @ vi[keys])[0]
+    reference = SDPA(q, k, v, attn_mask=attn_mask.expand(*q.shape[:-2], n_q, n_k))
+    assert torch.allclose(out, reference, atol=1e-5), "the counted attention computes what SDPA computes"
+    return out
 
 
 @pytest.fixture
 def engine(save_tiny, monkeypatch):
     directory, _ = save_tiny(num_attention_heads=8, num_key_value_heads=2)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", matmul_sdpa)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", exact_sdpa)
     return Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=512)
 
 
-def counted(engine, fn) -> int:
+def counted(fn) -> int:
     with FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()
 
 
-def test_prefill_flops_match_flop_counter(engine):
+def test_causal_prefill_flops_match_the_flop_counter(engine):
+    """The model's own prefill, causal: attention counted as the unmasked half, lm_head on the last token."""
     ids = list(range(1, 49))
     seq = engine.add_request(ids, engine.sampling_params(max_tokens=1, temperature=0))
-    flops = counted(engine, engine.step)
-    # The matmul SDPA computes the masked half too: compare with the non-causal count.
-    model = prefill_cost(engine.config, torch.float32, [(len(ids), 0)], causal=False)
+    flops = counted(engine.step)
     assert seq.finished
-    assert abs(model.flops - flops) / flops < 0.02
+    assert prefill_cost(engine.config, torch.float32, [(len(ids), 0)]).flops == flops
 
 
-def test_decode_flops_match_flop_counter(engine):
+def test_chunked_prefill_flops_match_the_flop_counter(save_tiny, monkeypatch):
+    """A prompt's later chunk attends to its cached prefix and causally to itself."""
+    directory, _ = save_tiny(num_attention_heads=8, num_key_value_heads=2)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", exact_sdpa)
+    engine = Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=512,
+                                    max_num_batched_tokens=16)
+    engine.add_request(list(range(1, 41)), engine.sampling_params(max_tokens=1, temperature=0))
+    engine.step()  # tokens 0..15
+    flops = counted(engine.step)  # tokens 16..31 after a prefix of 16: no logits yet
+    assert prefill_cost(engine.config, torch.float32, [(16, 16)], logits_tokens=0).flops == flops
+
+
+def test_decode_flops_match_the_flop_counter(engine):
+    """A batch of two decoding: each attends to its own context, new token included."""
     prompts = [list(range(1, 20)), list(range(3, 40))]
     seqs = [engine.add_request(p, engine.sampling_params(max_tokens=5, temperature=0, ignore_eos=True))
             for p in prompts]
     engine.step()  # prefill
     engine.step()  # one decode step, so that the next one has some history
-    # The reference decode path attends over whole blocks, padded to the longest table of the batch; an
-    # exact kernel reads only each context. Count what this path does: the formula is the same.
-    padded = engine.pool.blocks_for(max(s.num_tokens for s in seqs)) * engine.pool.block_size
-    flops = counted(engine, engine.step)
-    model = decode_cost(engine.config, torch.float32, [padded] * len(seqs))
-    assert abs(model.flops - flops) / flops < 0.02
+    contexts = [s.num_tokens for s in seqs]  # after the coming step: cached + the token it forwards
+    flops = counted(engine.step)
+    assert decode_cost(engine.config, torch.float32, contexts).flops == flops
+
+
+@pytest.mark.parametrize("order,group,expected", [
+    # m=12, n=8 in tiles of 4 x 4: 3 rows x 2 columns of tiles, 4 tiles a wave.
+    # rows: wave 1 = (0,0) (0,1) (1,0) (1,1): rows {0,1}, columns {0,1}; wave 2 = (2,0) (2,1): row 2, both columns
+    ("rows", 1, (2 * 4 + 1 * 4, 2 * 4 + 2 * 4)),
+    # grouped by 3 rows (M first): wave 1 = (0,0) (1,0) (2,0) (0,1); wave 2 = (1,1) (2,1)
+    ("grouped", 3, (3 * 4 + 2 * 4, 2 * 4 + 1 * 4)),
+])
+def test_gemm_reads_count_each_waves_operand_blocks(order, group, expected):
+    assert gemm_reads(12, 8, 1, GemmTiling(4, 4, order, group), 4) == expected
+
+
+TINY_SHAPES = KernelShapes(sms=1000, cublas=GemmTiling(4, 16), gated=GemmTiling(4, 16, "grouped", 2),
+                           gated_min_rows=8, gemv_max_rows=2)
+
+
+def tiny_config() -> ModelConfig:
+    # hidden 64, intermediate 128, 2 layers, 4 heads of 32 (q 128), 2 KV heads (kv 64), vocab 512, QK-norm
+    return ModelConfig.from_hf(tiny_hf_config().to_dict())
+
+
+def test_prefill_bytes_by_hand():
+    """A 12-token prefill of the tiny model in float32 (4 B), every GEMM in one wave, gate_up through the fused
+    Triton product (12 rows >= 8), counted kernel by kernel."""
+    cost = prefill_cost(tiny_config(), torch.float32, [(12, 0)], shapes=TINY_SHAPES)
+    hand = {
+        "linear": 2 * (256 * 64 + 64 * 128 + 256 * 64 + 64 * 128) * 4 + 2 * (2 * 64 + 2 * 32) * 4,  # + norms' weights
+        # qkv: x; o: its input and the residual stream it adds into; gate_up: x; down: its input and the stream
+        "linear_inputs": 2 * (12 * 64 + (12 * 128 + 12 * 64) + 12 * 64 + (12 * 128 + 12 * 64)) * 4,
+        "norm": 2 * 2 * 12 * 64 * 4 + 12 * 64 * 4,  # two per layer and the final one, each reading the stream
+        "rope": 2 * 12 * (256 * 4 + 32 * 4),  # the qkv product, and cos and sin rows of 16 float32
+        "attention": 2 * 12 * 128 * 4,  # the rotated queries
+        "kv_read": 12 * (2 * 2 * 64 * 4), "kv_write": 12 * (2 * 2 * 64 * 4),
+        "embedding": 12 * 64 * 4,
+        "lm_head": 512 * 64 * 4 + 64 * 4 + 64 * 4,  # weight, final norm's weight, one hidden row
+        "logits": 512 * 4,
+        "activation": 0, "bias": 0,
+    }
+    assert {name: part["bytes"] for name, part in cost.parts.items()} == hand
+    assert cost.bytes == 660_480
+
+
+def test_decode_bytes_by_hand():
+    """One decode step at context 20: GEMVs read their weights and input once; the norms read the product and the
+    stream; attention reads the context and its 16 splits' float32 partials (head_dim + 2 each)."""
+    cost = decode_cost(tiny_config(), torch.float32, [20], shapes=TINY_SHAPES)
+    parts = {name: part["bytes"] for name, part in cost.parts.items()}
+    assert parts["linear_inputs"] == 2 * (64 + 128 + 64 + 128) * 4
+    assert parts["norm"] == 2 * 2 * 2 * 64 * 4 + 2 * 64 * 4
+    assert parts["attention"] == 2 * 128 * 4 + 2 * 4 * 16 * (32 + 2) * 4
+    assert parts["kv_read"] == 20 * 1024 and parts["kv_write"] == 1024
+    assert cost.bytes == 576_512
+
+
+def test_kernel_shapes_are_the_kernels_own():
+    from llm_anatomy.engine import runner
+    from llm_anatomy.kernels import decode_attention, gemv, matmul
+    from llm_anatomy.probe.cost import DEFAULT_SHAPES as shapes
+
+    tile = matmul.GATED_TILE
+    assert (shapes.gated.bm, shapes.gated.bn, shapes.gated.group_m) == (tile.bm, tile.bn, tile.group_m)
+    assert shapes.gated_min_rows == matmul.GATED_MIN_ROWS and shapes.gemv_max_rows == gemv.MAX_ROWS
+    assert (shapes.short_context, shapes.short_splits, shapes.long_splits) == (
+        runner.SHORT_CONTEXT, runner.SHORT_SPLITS, runner.LONG_SPLITS)
+    for batch in (2, 3, 8, 64):
+        assert shapes.decode_splits(batch, 4096, 8) == decode_attention.default_splits(batch, 8, shapes.sms)
 
 
 def test_qwen3_8b_figures():
@@ -73,3 +170,18 @@ def test_qwen3_8b_figures():
     prefill = prefill_cost(config, torch.bfloat16, [(2048, 0)], logits_tokens=0)
     assert prefill.flops == pytest.approx(29.7e12, rel=0.01)
     assert decode_cost(config, torch.bfloat16, [1]).intensity < 2
+
+
+@pytest.mark.parametrize("what,measured,tolerance", [
+    # Nsight Compute's DRAM reads + writes of one step of this engine, synthetic Qwen3-8B in bf16 on an H200
+    # (shared/reference/anchors.md, 2026-12-01): decode within 1%, prefill within 5%
+    (("decode", 512), 15.233e9, 0.01),
+    (("decode", 32768), 20.014e9, 0.01),
+    (("prefill", 2048), 38.75e9, 0.05),
+])
+def test_bytes_against_nsight_compute(what, measured, tolerance):
+    config = ModelConfig.from_hf(resolve("Qwen/Qwen3-8B").config)
+    kind, n = what
+    cost = (decode_cost(config, torch.bfloat16, [n]) if kind == "decode"
+            else prefill_cost(config, torch.bfloat16, [(n, 0)]))
+    assert cost.bytes == pytest.approx(measured, rel=tolerance)

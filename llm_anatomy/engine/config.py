@@ -50,6 +50,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # most sequences in one step
     max_num_batched_tokens: int | None = None  # tokens forwarded per step; None: min(max_model_len, 8192)
     block_size: int = 16  # KV cache tokens per block
+    # The longest whole prompt replayed from a captured CUDA graph (graphs.PREFILL_GRAPH_TOKENS at most; 0: none).
+    # None: up to that limit. A single call sets its own prompt's length, so that start-up captures no more.
+    prefill_graph_tokens: int | None = None
     # The fast path: the fused Triton/CUDA kernels (None: on where there is a CUDA GPU and Triton) and, with them,
     # CUDA graphs, programmatic dependent launch, the streaming batch-1 GEMV (each still subject to the device).
     fast_path: bool | None = None
@@ -83,6 +86,7 @@ class EngineConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1, 65536)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         _check_int("block_size", self.block_size, 1, 1024)
+        _check_int("prefill_graph_tokens", self.prefill_graph_tokens, 0, optional=True)
         if self.block_size & (self.block_size - 1):
             raise AnatomyError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("cuda_graphs", "pdl", "stream_gemv", "mixed_steps"):

@@ -22,7 +22,7 @@ from ..prompt import render_prompt
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
 from .events import Observer, Step
-from .graphs import GraphRunner
+from .graphs import PREFILL_GRAPH_TOKENS, GraphRunner
 from .kv_cache import BlockTable, KVCachePool
 from .plan import choose_plan
 from .runner import ModelRunner
@@ -153,7 +153,9 @@ class Engine:
                 progress("tuning the decode GEMVs' tiles (once per GPU and version; cached)")
                 self.plan, self.tile_tuning = tune_gemv_tiles(self.plan, model, self.graphs, device)
             progress("compiling kernels and capturing CUDA graphs")
-            self.graphs.capture(self.plan, min(self.max_model_len, self.max_num_batched_tokens))
+            prefill_limit = min(self.max_model_len, self.max_num_batched_tokens, PREFILL_GRAPH_TOKENS
+                                if cfg.prefill_graph_tokens is None else cfg.prefill_graph_tokens)
+            self.graphs.capture(self.plan, prefill_limit)
         self.runner = ModelRunner(model, self.pool, device, self.plan, self.graphs)
         if self.plan.kernels and device.type == "cuda":
             self.runner.build_attention_plans(min(self.max_model_len, self.max_num_batched_tokens))

@@ -15,9 +15,11 @@ from ..engine.engine import Engine, GenerationResult
 from ..anatomy import Ceilings
 from .ceilings import device_name
 from .clock import Clock
+from .cost import device_shapes
 from .memory import census
 from .recorder import (Recorder, RequestTrace, batching_record, decode_records, decode_summary, kv_record,
                        prefill_record, telemetry)
+from .energy import measure_steady_energy
 from .telemetry import GpuTelemetry, nvml_status
 from ..prompt import render_prompt
 
@@ -112,13 +114,28 @@ def measure_call(engine: Engine, request: CallRequest, ceilings: Ceilings, *, t_
     if cuda:
         torch.cuda.synchronize(engine.device)
         activation_peak = torch.cuda.max_memory_allocated(engine.device) - resident
+        peak_note = ACTIVATION_PEAK_GRAPHS if uses_cuda_graphs(engine) else ACTIVATION_PEAK_EAGER
     else:
-        activation_peak = None
-    samples = sampler.stop() if sampler is not None else []
+        activation_peak, peak_note = None, "not measured on the host (no device allocator)"
+    samples = sampler.stop(marks.end) if sampler is not None else []
     result = engine.result(seq, prompt_text)
     return result, build_anatomy(engine, request.describe(), result, trace, ceilings,
                                  TelemetryWindow(samples, available, note, telemetry_hz), device_why, marks,
-                                 activation_peak)
+                                 activation_peak, activation_peak_note=peak_note, alone=True)
+
+
+ACTIVATION_PEAK_EAGER = "the peak allocated above the resident tensors during the call; every step ran eagerly"
+ACTIVATION_PEAK_GRAPHS = ("the peak allocated above the resident tensors during the call by the work launched "
+                          "eagerly (sampling, a prompt longer than the captured lengths); steps replayed from CUDA "
+                          "graphs run in the graphs' own memory pool (the cuda_graphs row), which this does not see")
+
+
+def uses_cuda_graphs(engine: Engine) -> bool:
+    """Whether the engine replays captured CUDA graphs (engine.graphs, or its runner's)."""
+    if getattr(engine, "graphs", None) is not None:
+        return True
+    runner = getattr(engine, "runner", None)
+    return bool(getattr(runner, "graphs", None))
 
 
 def attributed_energy(rec: RequestTrace, energy: list[EnergyRecord], e2e_ms: float, tokens: int
@@ -132,25 +149,33 @@ def attributed_energy(rec: RequestTrace, energy: list[EnergyRecord], e2e_ms: flo
                    for r in rec.chunks + rec.steps)
     fraction = share_ms / e2e_ms
     joules = call.joules * fraction
-    return EnergyRecord("call_attributed", joules, call.uncertainty_j * fraction, joules / tokens if tokens else None,
+    return EnergyRecord("call_attributed", joules, call.low_j * fraction,
+                        call.high_j * fraction if call.high_j is not None else None,
+                        joules / tokens if tokens else None,
                         f"this request's share: the call's energy x (its share of the device time, {share_ms:.1f} ms "
                         f"of its {e2e_ms:.1f} ms, each step weighted by its tokens' fraction of the step); an "
-                        f"estimate that splits each step's energy in proportion to tokens")
+                        f"estimate that splits each step's energy in proportion to tokens",
+                        call.start_ms, call.end_ms, call.shorter_than_update)
 
 
 def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: RequestTrace, ceilings: Ceilings,
                   window: TelemetryWindow, device_why: str, marks: Marks, activation_peak: int | None = None,
-                  notes: list[str] | None = None) -> Anatomy:
-    """The Anatomy of one finished request from its trace. `request` is what was asked (shown as is)."""
+                  notes: list[str] | None = None, activation_peak_note: str = "not measured for this call",
+                  alone: bool = False) -> Anatomy:
+    """The Anatomy of one finished request from its trace. `request` is what was asked (shown as is). The phases
+    tile the call without overlapping: the decode phase starts when the prefill's token is emitted. `alone`: the
+    request had the device to itself, idle before and after it (measure_call), which the energy model uses."""
     clock = rec.clock
-    t_parse, t_template, t_tokenize, t_queue, t_end = (clock.ms(t) for t in (
-        marks.received, marks.template, marks.tokenize, marks.queue, marks.end))
+    t_parse, t_template, t_tokenize, t_queue = (clock.ms(t) for t in (
+        marks.received, marks.template, marks.tokenize, marks.queue))
     prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
-    prefill = prefill_record(rec, prefill_step, engine, ceilings)
-    steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, engine.tokenizer.token_text, prefill_step)
+    shapes = device_shapes(engine.device)
+    prefill = prefill_record(rec, prefill_step, engine, ceilings, shapes)
+    steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, engine.tokenizer.token_text, prefill_step,
+                                  shapes)
     token_times = [clock.ms(r.step.t_end_ns) for r in rec.steps]
     ttft = token_times[0]
-    e2e = t_end
+    e2e = token_times[-1]  # the last token on the host (vLLM's E2EL)
     n_out = len(result.output_token_ids)
     itl = [b - a for a, b in zip(token_times, token_times[1:])]
     tpot = (token_times[-1] - ttft) / (n_out - 1) if n_out > 1 else None
@@ -166,16 +191,19 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
               + (f" (a step of {prefill.batch_size} requests)" if prefill.batch_size > 1 else "")),
     ]
     if decode_steps_raw:
-        phases.append(Phase("decode", clock.ms(decode_steps_raw[0].step.t_start_ns), token_times[-1],
+        phases.append(Phase("decode", ttft, e2e,
                             f"{len(steps)} steps, one token each"
                             + (f", in batches of up to {batching.max_batch_size}" if batched else "")))
     phases.append(Phase("e2e", 0.0, e2e, "the whole call"))
     detokenize_ms = sum(r.step.detokenize_ns for r in rec.steps) / 1e6
-    spans = {"prefill": (prefill_start, ttft, prefill.tokens)}
+    # spans that tile the call, so that their energies add up to its own
+    spans = {"before_prefill": (0.0, prefill_start, 0), "prefill": (prefill_start, ttft, prefill.tokens)}
     if steps:
-        spans["decode"] = (steps[0].start_ms, steps[-1].end_ms, len(steps))
+        spans["decode"] = (ttft, e2e, len(steps))
     spans["call"] = (0.0, e2e, n_out)
-    tele, gpu_samples = telemetry(window.samples, clock, window.available, window.note, window.hz, spans)
+    # alone on the device (a measured call), it worked from the prefill's start to the last token and idled around
+    busy = (prefill_start, e2e) if alone and not batched else None
+    tele, gpu_samples = telemetry(window.samples, clock, window.available, window.note, window.hz, spans, busy)
     if batched:  # the device's energy over this request's time was spent on the other requests too
         for record in tele.energy:
             record.per_token_j = None
@@ -187,11 +215,15 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
     graph_bytes = engine.graphs.graph_bytes if engine.graphs is not None else 0
     memory = census(engine.device, engine.weights.bytes, engine.pool.total_bytes, graph_bytes,
                     activation_peak)
+    memory.activation_peak_note = activation_peak_note
     config = engine.config
     notes = list(notes or [])
+    notes.append("FLOPs and bytes (and so MFU, MBU and the roofline) are the cost model's, not measured "
+                 "(docs/anatomy.md); `llm-anatomy call --dram` measures DRAM bytes with Nsight Compute.")
     if engine.weights.kind == "synthetic":
-        notes.append("Synthetic random weights: timings, memory, bytes and energy are those of the real model; "
-                     "the text is not.")
+        notes.append("Synthetic random weights: timings, memory and bytes are those of the real model; energy and "
+                     "power are too on the assumption that random weights draw the power trained ones do (not "
+                     "measured); the text is not.")
     if batched:
         notes.append("Batched with other requests: prefill and decode flops, bytes and device times are those of "
                      "whole steps, shared by every request in them (see batching).")
@@ -225,3 +257,18 @@ def startup_record(engine: Engine) -> StartupRecord | None:
                          cuda_graphs=graphs["count"], programmatic_dependent_launch=engine.plan.pdl,
                          streaming_gemv=engine.plan.stream_gemv, tile_tuning_s=tuning.seconds if tuning else 0.0,
                          tiles_from_cache=bool(tuning and tuning.source in ("cache", "shipped")))
+
+
+def steady_energy(engine: Engine, anatomy: Anatomy, repeats: int, hz: float = 100.0) -> None:
+    """`--repeat N` after a measured call: steady-state J per prefill token and per decode token (probe/energy.py),
+    into anatomy.steady_energy, with notes on what fell short."""
+    if not anatomy.telemetry.available:
+        anatomy.notes.append(f"--repeat: no steady-state energy: {anatomy.telemetry.note}")
+        return
+    sampling = {k: v for k, v in anatomy.request.get("sampling", {}).items() if k != "max_tokens"}
+    records, notes = measure_steady_energy(
+        engine, anatomy.prompt_token_ids, anatomy.prompt_token_ids + anatomy.output_token_ids, sampling, repeats,
+        anatomy.telemetry.counter_update_ms, anatomy.decode.itl_ms_median if anatomy.decode else None,
+        GpuTelemetry(engine.device, hz))
+    anatomy.steady_energy = records
+    anatomy.notes.extend(notes)

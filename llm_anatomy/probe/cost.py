@@ -1,16 +1,24 @@
-"""The cost model: FLOPs and bytes of a prefill or a decode step, from the config and the dtype alone.
+"""The cost model: FLOPs and bytes of a prefill or a decode step, from the config, the dtype and the kernels' shapes.
 
-One place, used by every command. Conventions:
-- FLOPs: 2 per multiply-add of the matrix products (linear layers, lm_head, attention's QK^T and PV); the
-  elementwise work (norms, RoPE, SiLU, softmax) is left out, as FLOP counters and MFU figures do.
-- Causal attention counts only the unmasked half: query i of a prefill attends to prefix + i keys.
-- Bytes: the least traffic to device memory a step needs: every weight read once per step (the embedding
-  only for the rows it gathers), K/V read once per attending sequence and written once per new token,
-  each intermediate activation written once and read once, and the float32 logits written.
+One place, used by every command; docs/anatomy.md states these conventions for the record's readers.
+
+FLOPs: 2 per multiply-add of the matrix products (linear layers, lm_head, attention's QK^T and PV); the
+elementwise work (norms, RoPE, SiLU, softmax) is left out, as FLOP counters and MFU figures do. Causal attention
+counts only the unmasked half: query i of a prefill attends to prefix + i keys. The lm_head runs on one token per
+sequence (the last of its prompt in a prefill): logits of the other prompt tokens are never computed.
+
+Bytes: a model of the device-memory (DRAM) traffic of the CUDA fast path's kernels, kernel by kernel, as Nsight
+Compute counts it (each kernel starting from a cold L2 cache, its default): every kernel reads its inputs from
+device memory; an intermediate tensor written by one kernel and read by the next is counted once, at its read
+(its write-back falls outside both kernels there, and an unprofiled run pays one crossing or the other); writes
+that outlive the step are counted: the KV cache. The tiled GEMMs of a prefill read their operands once per
+wave of output tiles (`gemm_reads`): a wave is the tiles the multiprocessors work on at once, and nothing is
+assumed to stay in L2 from one wave to the next. Sampling is counted as one read of the float32 logits.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +38,65 @@ class Cost:
 
     def part(self, name: str, key: str) -> float:
         return self.parts.get(name, {}).get(key, 0.0)
+
+    def bytes_by_category(self) -> dict[str, float]:
+        """Modelled bytes per kernel category (probe/kernels.py's names), to set beside measured ones."""
+        out: dict[str, float] = {}
+        for name, p in self.parts.items():
+            category = PART_CATEGORY[name]
+            out[category] = out.get(category, 0.0) + p["bytes"]
+        return out
+
+
+# The kernel category (probe/kernels.py) whose kernels move each part's bytes. At batch 1 on Hopper the decode
+# step's norms run inside the streaming GEMVs (models/qwen3.py), so there measured bytes show them under gemm.
+PART_CATEGORY = {
+    "linear": "gemm", "linear_inputs": "gemm", "lm_head": "gemm", "attention": "attention", "kv_read": "attention",
+    "kv_write": "rope", "rope": "rope", "norm": "norm", "activation": "activation", "embedding": "copy",
+    "logits": "sampling", "bias": "other",
+}
+
+
+@dataclass(frozen=True)
+class GemmTiling:
+    """How a tiled GEMM walks its output: tiles of bm x bn, taken in `order` ("rows": along N first, so a wave
+    covers whole rows of tiles; "grouped": `group_m` rows of tiles at a time, along M first within them, as
+    kernels/matmul.py's grouped order)."""
+
+    bm: int
+    bn: int
+    order: str = "rows"
+    group_m: int = 1
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """What the byte model assumes about the kernels and the device; the defaults are this engine's on an H100 or
+    H200 (132 multiprocessors). tests/test_cost.py checks them against the kernels' own constants."""
+
+    sms: int = 132
+    # cuBLAS's prefill GEMMs: 128 x 256 tiles along N. Along N, each wave re-reads the weight; Nsight Compute
+    # counted 19.6 GB in cuBLAS's kernels of a 2048-token Qwen3-8B prefill (H200), against 18.9 modelled this way
+    # and 14.3 along M (docs/anatomy.md).
+    cublas: GemmTiling = GemmTiling(128, 256, "rows")
+    # kernels/matmul.py: prefill's gate_up with SiLU * up in its epilogue (GATED_TILE, BN per half, grouped by 16
+    # rows of tiles), from GATED_MIN_ROWS rows; fewer rows take cuBLAS and the SiLU * up kernel.
+    gated: GemmTiling = GemmTiling(128, 128, "grouped", 16)
+    gated_min_rows: int = 1024
+    gemv_max_rows: int = 16  # kernels/gemv.py MAX_ROWS: up to this many rows a product is a GEMV
+    # Decode attention's context splits (engine/runner.py, kernels/decode_attention.py): each split writes float32
+    # partials (head_dim + 2 values) that the merge reads back.
+    short_context: int = 2048
+    short_splits: int = 16
+    long_splits: int = 48
+
+    def decode_splits(self, batch: int, longest_context: int, kv_heads: int) -> int:
+        if batch == 1:
+            return self.short_splits if longest_context <= self.short_context else self.long_splits
+        return max(1, min(64, -(-2 * self.sms // (batch * kv_heads))))
+
+
+DEFAULT_SHAPES = KernelShapes()
 
 
 def _make(parts: dict[str, dict[str, float]]) -> Cost:
@@ -56,15 +123,74 @@ def weight_bytes_per_step(c: ModelConfig, dtype: torch.dtype) -> dict[str, float
     }
 
 
-def activation_bytes_per_token(c: ModelConfig, dtype: torch.dtype) -> float:
-    """Each intermediate of one token through all layers, written once and read once."""
-    per_layer = (c.hidden_size * 2  # norm in and out
-                 + c.q_size + 2 * c.kv_size  # qkv
-                 + c.q_size  # attention output
-                 + c.hidden_size * 2  # o_proj output, residual add + second norm
-                 + 2 * c.intermediate_size + c.intermediate_size  # gate_up and SiLU*up
-                 + c.hidden_size)  # down_proj output
-    return 2 * per_layer * c.num_hidden_layers * dtype.itemsize
+@functools.lru_cache(maxsize=512)
+def gemm_reads(m: int, n: int, k: int, tiling: GemmTiling, sms: int, weight_rows_per_tile: int | None = None
+               ) -> tuple[int, int]:
+    """(activation elements, weight elements) a tiled GEMM out[m, n] = x[m, k] @ w[n, k].T reads from device memory:
+    each wave of `sms` output tiles reads the row blocks of x and the column blocks of w that its tiles need, once
+    each (the tiles of a wave share them through L2), and nothing is assumed to survive to the next wave.
+    `weight_rows_per_tile`: rows of w behind one tile's bn columns (2 bn for the gated gate_up product)."""
+    tm, tn = -(-m // tiling.bm), -(-n // tiling.bn)
+    w_rows = weight_rows_per_tile or tiling.bn
+    n_rows = n * w_rows // tiling.bn  # rows of w in all
+    a_elems = w_elems = 0
+    for first in range(0, tm * tn, sms):
+        rows, cols = set(), set()
+        for t in range(first, min(first + sms, tm * tn)):
+            pm, pn = _tile_coords(t, tm, tn, tiling)
+            rows.add(pm)
+            cols.add(pn)
+        a_elems += sum(min(tiling.bm, m - r * tiling.bm) for r in rows) * k
+        w_elems += sum(min(w_rows, n_rows - col * w_rows) for col in cols) * k
+    return a_elems, w_elems
+
+
+def _tile_coords(t: int, tm: int, tn: int, tiling: GemmTiling) -> tuple[int, int]:
+    if tiling.order == "rows":
+        return t // tn, t % tn
+    in_group = tiling.group_m * tn  # kernels/matmul.py _tile_coords
+    first_m = (t // in_group) * tiling.group_m
+    group_rows = min(tm - first_m, tiling.group_m)
+    return first_m + t % group_rows, (t % in_group) // group_rows
+
+
+def _linear_bytes(rows: int, n: int, k: int, size: int, shapes: KernelShapes, gated: bool = False,
+                  residual: bool = False) -> tuple[float, float]:
+    """(weight bytes, input bytes) of one linear layer over `rows` tokens: a GEMV reads each once; a GEMM (more
+    rows) per wave of tiles, and the products that feed the residual stream also read it (added in the epilogue)."""
+    if rows <= shapes.gemv_max_rows:
+        return n * k * size, rows * k * size
+    if gated and rows >= shapes.gated_min_rows:
+        a, w = gemm_reads(rows, n // 2, k, shapes.gated, shapes.sms, 2 * shapes.gated.bn)
+    else:
+        a, w = gemm_reads(rows, n, k, shapes.cublas, shapes.sms)
+    return w * size, (a + (rows * n if residual else 0)) * size
+
+
+def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShapes) -> dict[str, float]:
+    """Bytes of all decoder layers' kernels for a step of `tokens` tokens, by part (attention's K/V apart)."""
+    s, h, inter = dtype.itemsize, c.hidden_size, c.intermediate_size
+    qkv = c.q_size + 2 * c.kv_size
+    weights = inputs = 0.0
+    for n, k, gated, residual in ((qkv, h, False, False), (h, c.q_size, False, True),
+                                  (2 * inter, h, True, False), (h, inter, False, True)):
+        w, x = _linear_bytes(tokens, n, k, s, shapes, gated, residual)
+        weights, inputs = weights + w, inputs + x
+    fused_gate = tokens <= shapes.gemv_max_rows or tokens >= shapes.gated_min_rows
+    # A GEMV has no epilogue: its product reaches the residual stream through the norm after it, which then reads
+    # the product and the stream; after a GEMM that added it there, the norm reads the stream alone.
+    norm_inputs = 2 if tokens <= shapes.gemv_max_rows else 1
+    layers = c.num_hidden_layers
+    return {
+        "linear": layers * (weights + layer_norm_params(c) * s),
+        "linear_inputs": layers * inputs,
+        "norm": layers * 2 * norm_inputs * tokens * h * s,
+        # QK-norm + RoPE + the cache store reads the qkv product and a cos and a sin row (float32) per token
+        "rope": layers * tokens * (qkv * s + c.head_dim * 4),
+        "activation": 0.0 if fused_gate else layers * tokens * 2 * inter * s,  # SiLU * up, unfused
+        "bias": layers * tokens * qkv * s if c.attention_bias else 0.0,  # the bias add after the qkv product
+        "attention_q": layers * tokens * c.q_size * s,  # attention reads the rotated queries
+    }
 
 
 def attention_flops(c: ModelConfig, query_tokens: int, prefix: int, causal: bool = True) -> float:
@@ -76,43 +202,58 @@ def attention_flops(c: ModelConfig, query_tokens: int, prefix: int, causal: bool
     return 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * keys
 
 
+def _step(c: ModelConfig, dtype: torch.dtype, tokens: int, sampled: int, attention_flops_: float, kv_read: float,
+          partials: float, shapes: KernelShapes) -> Cost:
+    s, h = dtype.itemsize, c.hidden_size
+    layer = _layers(c, dtype, tokens, shapes)
+    final_norm = (2 if tokens <= shapes.gemv_max_rows else 1) * tokens * h * s
+    return _make({
+        "linear": {"flops": 2 * tokens * c.num_hidden_layers * layer_linear_params(c), "bytes": layer["linear"]},
+        "linear_inputs": {"bytes": layer["linear_inputs"]},
+        "attention": {"flops": attention_flops_, "bytes": layer["attention_q"] + partials},
+        "kv_read": {"bytes": kv_read},
+        "kv_write": {"bytes": tokens * c.kv_bytes_per_token(dtype)},
+        "rope": {"bytes": layer["rope"]},
+        "norm": {"bytes": layer["norm"] + final_norm},
+        "activation": {"bytes": layer["activation"]},
+        "bias": {"bytes": layer["bias"]},
+        "embedding": {"bytes": tokens * h * s},
+        "lm_head": {"flops": 2 * sampled * h * c.vocab_size,
+                    "bytes": weight_bytes_per_step(c, dtype)["lm_head"] + sampled * h * s},
+        "logits": {"bytes": sampled * c.vocab_size * 4},  # float32, written then read by sampling: once
+    })
+
+
 def prefill_cost(c: ModelConfig, dtype: torch.dtype, seqs: list[tuple[int, int]], logits_tokens: int | None = None,
-                 causal: bool = True) -> Cost:
-    """A prefill step over sequences given as (new tokens, cached prefix); logits for one token per sequence."""
+                 causal: bool = True, shapes: KernelShapes = DEFAULT_SHAPES) -> Cost:
+    """A prefill step over sequences given as (new tokens, cached prefix); logits for one token per sequence.
+    Attention reads this step's K and V and each cached prefix once."""
     tokens = sum(n for n, _ in seqs)
     logits_tokens = len(seqs) if logits_tokens is None else logits_tokens
-    kv = c.kv_bytes_per_token(dtype)
-    weights = weight_bytes_per_step(c, dtype)
-    return _make({
-        "linear": {"flops": 2 * tokens * c.num_hidden_layers * layer_linear_params(c), "bytes": weights["layers"]},
-        "attention": {"flops": sum(attention_flops(c, n, p, causal) for n, p in seqs)},
-        "lm_head": {"flops": 2 * logits_tokens * c.hidden_size * c.vocab_size,
-                    "bytes": weights["lm_head"] + logits_tokens * c.vocab_size * 4},
-        "embedding": {"bytes": tokens * c.hidden_size * dtype.itemsize},
-        "kv_write": {"bytes": tokens * kv},
-        "kv_read": {"bytes": sum(p + n for n, p in seqs) * kv},
-        "activations": {"bytes": tokens * activation_bytes_per_token(c, dtype)},
-    })
+    kv_read = sum(p + n for n, p in seqs) * c.kv_bytes_per_token(dtype)
+    return _step(c, dtype, tokens, logits_tokens, sum(attention_flops(c, n, p, causal) for n, p in seqs), kv_read,
+                 0.0, shapes)
 
 
-def decode_cost(c: ModelConfig, dtype: torch.dtype, context_lens: list[int]) -> Cost:
+def decode_cost(c: ModelConfig, dtype: torch.dtype, context_lens: list[int], shapes: KernelShapes = DEFAULT_SHAPES
+                ) -> Cost:
     """A decode step: one new token for each sequence, attending to its context (the new token included)."""
     batch = len(context_lens)
-    kv = c.kv_bytes_per_token(dtype)
-    weights = weight_bytes_per_step(c, dtype)
-    return _make({
-        "linear": {"flops": 2 * batch * c.num_hidden_layers * layer_linear_params(c), "bytes": weights["layers"]},
-        "attention": {"flops": sum(4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n
-                                   for n in context_lens)},
-        "lm_head": {"flops": 2 * batch * c.hidden_size * c.vocab_size,
-                    "bytes": weights["lm_head"] + batch * c.vocab_size * 4},
-        "embedding": {"bytes": batch * c.hidden_size * dtype.itemsize},
-        "kv_write": {"bytes": batch * kv},
-        "kv_read": {"bytes": sum(context_lens) * kv},
-        "activations": {"bytes": batch * activation_bytes_per_token(c, dtype)},
-    })
+    splits = shapes.decode_splits(batch, max(context_lens), c.num_key_value_heads)
+    partials = c.num_hidden_layers * batch * c.num_attention_heads * splits * (c.head_dim + 2) * 4
+    flops = sum(4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n for n in context_lens)
+    return _step(c, dtype, batch, batch, flops, sum(context_lens) * c.kv_bytes_per_token(dtype), partials, shapes)
 
 
 def kv_formula(c: ModelConfig, dtype: torch.dtype) -> str:
     return (f"{c.num_hidden_layers} layers x 2 (K, V) x {c.num_key_value_heads} KV heads x {c.head_dim} head_dim "
             f"x {dtype.itemsize} B = {c.kv_bytes_per_token(dtype):,} B per token")
+
+
+def device_shapes(device: torch.device) -> KernelShapes:
+    """The default shapes with this device's multiprocessor count (the width of a wave of tiles)."""
+    if device.type != "cuda":
+        return DEFAULT_SHAPES
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SHAPES if sms == DEFAULT_SHAPES.sms else KernelShapes(sms=sms)
+

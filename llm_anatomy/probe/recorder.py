@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..anatomy import (BatchingRecord, Bound, Stall, Ceilings, DecodeStep, DecodeSummary, EnergyRecord, GpuSample,
-                       KVCacheRecord, PrefillRecord, Roofline, Telemetry)
+                       KVCacheRecord, PrefillRecord, Roofline, Telemetry, percentile)
 from ..engine.events import Step
 from ..engine.scheduler import Sequence, Status
 from .clock import Clock
-from .cost import Cost, decode_cost, kv_formula, prefill_cost
+from .cost import DEFAULT_SHAPES, Cost, KernelShapes, decode_cost, kv_formula, prefill_cost
+from .energy import PowerModel, counter_updates, span_energy, update_period_ms
 from .telemetry import RawSample
 
 
@@ -205,45 +206,40 @@ def classify(cost: Cost, mfu: float | None, mbu: float | None, seconds: float, w
     return Bound(expected, f"{cost.intensity:.1f} FLOP/B {side} ridge {ridge:.0f}; {fraction:.0%} of {which} {what}")
 
 
-def energy_records(samples: list[RawSample], clock: Clock, spans: dict[str, tuple[float, float, int]]
-                   ) -> tuple[list[EnergyRecord], float | None]:
-    """Energy per span (name -> (start_ms, end_ms, tokens)) from the device's energy counter.
-
-    The counter only changes every ~20-100 ms, so it is read as a piecewise-linear function through the
-    instants where it changed; each end of a span is uncertain by about one update interval of power.
-    """
-    points = [(clock.ms(s.t_ns), s.energy_mj) for s in samples if s.energy_mj is not None]
-    if len(points) < 2:
+def energy_records(samples: list[RawSample], clock: Clock, spans: dict[str, tuple[float, float, int]],
+                   busy: tuple[float, float] | None = None) -> tuple[list[EnergyRecord], float | None]:
+    """Energy per span (name -> (start_ms, end_ms, tokens)) from the device's energy counter (probe/energy.py),
+    and the counter's update interval. `busy`: when the device worked for this call alone (ms), if known."""
+    updates = counter_updates([(clock.ms(s.t_ns), s.energy_mj / 1e3) for s in samples if s.energy_mj is not None])
+    period = update_period_ms(updates)
+    if period is None:
         return [], None
-    updates = [points[0]] + [p for prev, p in zip(points, points[1:]) if p[1] != prev[1]]
-    if len(updates) < 3:
-        return [], None
-    interval = statistics.median(b[0] - a[0] for a, b in zip(updates, updates[1:]))
-    times = [t for t, _ in updates]
-    values = [e / 1e3 for _, e in updates]
-
-    def energy_at(t: float) -> float:
-        if t <= times[0]:
-            return values[0]
-        if t >= times[-1]:
-            return values[-1]
-        i = next(i for i, x in enumerate(times) if x >= t)
-        f = (t - times[i - 1]) / (times[i] - times[i - 1])
-        return values[i - 1] + f * (values[i] - values[i - 1])
-
-    mean_power = (values[-1] - values[0]) / ((times[-1] - times[0]) / 1e3)
+    model = PowerModel.build(updates, busy)
+    spread = ("the device's idle power ({:.0f} W, from the update intervals before and after its work) over the "
+              "idle part of the intervals where its work began and ended, the rest over their busy part; elsewhere "
+              "evenly over each interval".format(model.idle_w) if model.idle_w is not None
+              else "each update interval's energy spread evenly over it")
     out = []
     for name, (a, b, tokens) in spans.items():
-        joules = energy_at(b) - energy_at(a)
-        uncertainty = mean_power * interval / 1e3 * 2 ** 0.5
-        out.append(EnergyRecord(name, joules, uncertainty, joules / tokens if tokens else None,
-                                f"NVML total-energy counter, interpolated between its updates "
-                                f"(every ~{interval:.0f} ms); ± one update interval at each end"))
-    return out, interval
+        e = span_energy(updates, a, b, model)
+        short = b - a < period
+        method = (f"NVML total-energy counter (updates every ~{period:.0f} ms): {spread}; low: between the first "
+                  f"update surely after the span's start and the last surely before its end; high: between the "
+                  f"last update surely before it and the first surely after it")
+        if short:
+            method += (f"; the span ({b - a:.1f} ms) is shorter than the counter's update interval, so its figure "
+                       f"is an interpolation and its low bound is not informative: `llm-anatomy call --repeat N` "
+                       f"measures energy per token in steady state")
+        if e.high_j is None:
+            method += "; the counter did not update on both sides of the span: no upper bound"
+        out.append(EnergyRecord(name, e.joules, e.low_j, e.high_j, e.joules / tokens if tokens else None, method,
+                                a, b, short))
+    return out, period
 
 
 def telemetry(samples: list[RawSample], clock: Clock, available: bool, note: str, hz: float,
-              spans: dict[str, tuple[float, float, int]]) -> tuple[Telemetry, list[GpuSample]]:
+              spans: dict[str, tuple[float, float, int]], busy: tuple[float, float] | None = None
+              ) -> tuple[Telemetry, list[GpuSample]]:
     if not available:
         return Telemetry(False, note), []
     energy0 = next((s.energy_mj for s in samples if s.energy_mj is not None), None)
@@ -251,30 +247,31 @@ def telemetry(samples: list[RawSample], clock: Clock, available: bool, note: str
                            (s.energy_mj - energy0) / 1e3 if s.energy_mj is not None and energy0 is not None else None,
                            s.sm_mhz, s.mem_mhz, s.gpu_util, s.mem_util, s.mem_used, s.temperature_c, s.throttle)
                  for s in samples]
-    energy, interval = energy_records(samples, clock, spans)
+    energy, interval = energy_records(samples, clock, spans, busy)
     duration = (samples[-1].t_ns - samples[0].t_ns) / 1e9 if len(samples) > 1 else 0
     rate = (len(samples) - 1) / duration if duration else 0.0
     return Telemetry(True, f"NVML sampled from a separate process at {rate:.0f} Hz (asked {hz:.0f} Hz)", rate,
                      interval, energy), converted
 
 
-def step_cost(engine, r: StepRecord) -> Cost:
+def step_cost(engine, r: StepRecord, shapes: KernelShapes = DEFAULT_SHAPES) -> Cost:
     """The whole step's work (every sequence in it), as the cost model counts it; computed once per step."""
     if r.timing.cost is None:
         step = r.step
         if step.is_prefill:
             seqs = [(q, c - q) for q, c in zip(step.query_lens, step.context_lens)]
-            r.timing.cost = prefill_cost(engine.config, engine.dtype, seqs)
+            r.timing.cost = prefill_cost(engine.config, engine.dtype, seqs, shapes=shapes)
         else:
-            r.timing.cost = decode_cost(engine.config, engine.dtype, step.context_lens)
+            r.timing.cost = decode_cost(engine.config, engine.dtype, step.context_lens, shapes=shapes)
     return r.timing.cost
 
 
-def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings) -> PrefillRecord:
+def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings,
+                   shapes: KernelShapes = DEFAULT_SHAPES) -> PrefillRecord:
     """The steps that prefilled the prompt (one, or its chunks then the step that completed it), together.
     FLOPs, bytes and times are those of whole steps: with others in them, theirs too."""
     records = rec.chunks + [r]
-    costs = [step_cost(engine, x) for x in records]
+    costs = [step_cost(engine, x, shapes) for x in records]
     cost = Cost(sum(c.flops for c in costs), sum(c.bytes for c in costs))
     parts = costs[0].parts if len(costs) == 1 else {
         name: {key: sum(c.parts.get(name, {}).get(key, 0.0) for c in costs) for key in ("flops", "bytes")}
@@ -290,25 +287,28 @@ def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings)
 
 
 def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceilings: Ceilings,
-                   token_text, previous: StepRecord) -> tuple[list[DecodeStep], list[Cost]]:
-    """A step's wall time is its inter-token latency: from the previous token on the host to its own (with
-    lookahead a step is launched before the one ahead of it completes, so launch-to-end would count twice).
-    A step that recomputes the request after a preemption is a prefill, and is costed as one."""
+                   token_text, previous: StepRecord, shapes: KernelShapes = DEFAULT_SHAPES
+                   ) -> tuple[list[DecodeStep], list[Cost]]:
+    """A step spans its inter-token latency: from the previous token on the host to its own, so that steps tile
+    the decode phase and the first starts when the prefill's token is emitted. (With lookahead a step is
+    scheduled and launched before the one ahead of it completes: that instant is kept as launch_ms, and
+    launch-to-end would count the overlap twice.) A step that recomputes the request after a preemption is a
+    prefill, and is costed as one."""
     steps, costs = [], []
     previous_end_ns, before = previous.step.t_end_ns, previous.others()
     for i, r in enumerate(records, start=1):
-        cost = step_cost(engine, r)
+        cost = step_cost(engine, r, shapes)
         device_ms = rec.device_ms(r)
         wall_ms = (r.step.t_end_ns - previous_end_ns) / 1e6
-        previous_end_ns = r.step.t_end_ns
         line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
         token = r.step.tokens[r.position]
         others = r.others()
-        steps.append(DecodeStep(i, rec.clock.ms(r.step.t_start_ns), rec.clock.ms(r.step.t_end_ns), device_ms,
+        steps.append(DecodeStep(i, rec.clock.ms(previous_end_ns), rec.clock.ms(r.step.t_end_ns), device_ms,
                                 r.step.host_work_ns / 1e6, r.context_len, r.batch_size, token, token_text(token),
                                 cost.flops, cost.bytes, cost.part("kv_read", "bytes"), line.mbu, line.mfu,
                                 line.bound.kind, sorted(others - before), sorted(before - others),
-                                r.step.num_tokens))
+                                r.step.num_tokens, rec.clock.ms(r.step.t_start_ns), rec.device_start_ms(r)))
+        previous_end_ns = r.step.t_end_ns
         before = others
         costs.append(cost)
     return steps, costs
@@ -323,11 +323,9 @@ def decode_summary(steps: list[DecodeStep], costs: list[Cost], itl: list[float],
     wall_s = (steps[-1].end_ms - steps[0].start_ms) / 1e3
     middle = statistics.median(s.bytes for s in steps)
     kv_share = statistics.median(s.kv_bytes_read / s.bytes for s in steps)
-    itl_sorted = sorted(itl) or [0.0]
     return DecodeSummary(len(steps), statistics.median(s.gpu_ms for s in steps),
-                         statistics.median(s.host_ms for s in steps), statistics.median(itl_sorted),
-                         itl_sorted[min(len(itl_sorted) - 1, int(0.9 * len(itl_sorted)))],
-                         len(steps) / wall_s if wall_s > 0 else 0.0, middle, kv_share,
+                         statistics.median(s.host_ms for s in steps), percentile(itl, 50) or 0.0,
+                         percentile(itl, 90) or 0.0, len(steps) / wall_s if wall_s > 0 else 0.0, middle, kv_share,
                          roofline(total, device_s, wall_s, ceilings))
 
 

@@ -73,18 +73,45 @@ def _open(nvml, uuid: str | None, index: int):
     return nvml.nvmlDeviceGetHandleByIndex(index)
 
 
+# Before a measured window and after it the sampler waits for two updates of the energy counter: one on each
+# side of the window, and a whole update interval outside it, which gives the idle power the energy model uses
+# (probe/energy.py PowerModel). At most COUNTER_WAIT_S each: a few update intervals (~100 ms on an H200).
+COUNTER_WAIT_S = 1.0
+UPDATES_AROUND = 2
+
+
+def _sample_until_updates(nvml, handle, samples: list, interval_s: float, after_ns: int, deadline: float,
+                          updates: int = UPDATES_AROUND) -> None:
+    """Append samples until `updates` changes of the energy counter are seen between samples taken at or after
+    `after_ns` (so each surely happened after that instant), or until `deadline` (perf_counter seconds)."""
+    seen = 0
+    while seen < updates and time.perf_counter() < deadline:
+        last = samples[-1]
+        time.sleep(interval_s)
+        samples.append(_read(nvml, handle))
+        if last.energy_mj is None or samples[-1].energy_mj is None:
+            return  # no counter on this device: nothing to wait for
+        if last.t_ns >= after_ns and samples[-1].energy_mj != last.energy_mj:
+            seen += 1
+
+
 def _sampler_main(conn, uuid: str | None, index: int, interval_s: float) -> None:
+    """Sample until told to stop. Before saying ready, wait for counter updates (the window then starts after
+    known ones); when told to stop at an instant, keep sampling until the counter has updated after it (a tail)."""
     import pynvml as nvml
 
     nvml.nvmlInit()
     handle = _open(nvml, uuid, index)
     samples = [_read(nvml, handle)]
+    _sample_until_updates(nvml, handle, samples, interval_s, samples[0].t_ns, time.perf_counter() + COUNTER_WAIT_S)
     conn.send("ready")
     next_t = time.perf_counter()
     while not conn.poll():
         next_t += interval_s
         time.sleep(max(0.0, next_t - time.perf_counter()))
         samples.append(_read(nvml, handle))
+    _, end_ns = conn.recv()
+    _sample_until_updates(nvml, handle, samples, interval_s, end_ns, time.perf_counter() + COUNTER_WAIT_S)
     conn.send(samples)
     nvml.nvmlShutdown()
 
@@ -142,7 +169,8 @@ def _spawn(target, args: tuple):
 
 
 class GpuTelemetry:
-    """Samples one GPU at `hz` from start() to stop(), in a child process."""
+    """Samples one GPU at `hz` from start() to stop(), in a child process, with energy-counter updates before the
+    window (start returns after them) and after it (stop waits for them)."""
 
     def __init__(self, device, hz: float = 100.0):
         self.hz = hz
@@ -153,10 +181,11 @@ class GpuTelemetry:
     def start(self) -> None:
         self._process, self._conn = _spawn(_sampler_main, (self.uuid, self.index, 1.0 / self.hz))
 
-    def stop(self) -> list[RawSample]:
+    def stop(self, end_ns: int | None = None) -> list[RawSample]:
+        """The samples, through the first counter update after `end_ns` (default: now), the window's end."""
         if self._process is None:
             return []
-        self._conn.send("stop")
+        self._conn.send(("stop", end_ns if end_ns is not None else time.perf_counter_ns()))
         samples = self._conn.recv() if self._conn.poll(30) else []
         self._process.join(5)
         self._process = None
