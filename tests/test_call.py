@@ -200,7 +200,7 @@ def test_cli_bad_messages_file(capsys, tmp_path, content, message):
 
 def test_cli_report_rejects_non_anatomy(capsys, tmp_path):
     path = tmp_path / "x.json"
-    path.write_text('{"schema_version": "1.0"}')
+    path.write_text('{"schema_version": "2.0"}')
     code, out, err = run_cli(capsys, "report", str(path))
     assert code == 2 and "is not an Anatomy JSON" in err
 

@@ -286,7 +286,7 @@ def _process(*argv, env=None):
 
 
 def test_as_a_process_bad_input_is_one_line_and_status_2(tmp_path):
-    (tmp_path / "x.json").write_text('{"schema_version": "2.0"}')
+    (tmp_path / "x.json").write_text('{"schema_version": "9.0"}')
     for argv, message in ((["call", ""], "prompt is empty"),
                           (["call", "hi", "--json", tmp_path / "no" / "a.json"], "does not exist"),
                           (["call", "hi", "--seed", str(2**64)], "--seed must be <="),

@@ -145,15 +145,14 @@ def test_decode_bytes_by_hand():
 
 
 def test_kernel_shapes_are_the_kernels_own():
-    from llm_anatomy.engine import runner
+    from llm_anatomy.engine.plan import DecodeAttentionPlan
     from llm_anatomy.kernels import decode_attention, gemv, matmul
     from llm_anatomy.probe.cost import DEFAULT_SHAPES as shapes
 
     tile = matmul.GATED_TILE
     assert (shapes.gated.bm, shapes.gated.bn, shapes.gated.group_m) == (tile.bm, tile.bn, tile.group_m)
     assert shapes.gated_min_rows == matmul.GATED_MIN_ROWS and shapes.gemv_max_rows == gemv.MAX_ROWS
-    assert (shapes.short_context, shapes.short_splits, shapes.long_splits) == (
-        runner.SHORT_CONTEXT, runner.SHORT_SPLITS, runner.LONG_SPLITS)
+    assert shapes.attention == DecodeAttentionPlan()  # the plan every engine starts from
     for batch in (2, 3, 8, 64):
         assert shapes.decode_splits(batch, 4096, 8) == decode_attention.default_splits(batch, 8, shapes.sms)
 

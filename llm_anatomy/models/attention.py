@@ -27,7 +27,7 @@ class AttentionBatch:
     query_lens: tuple[int, ...] = ()  # prefill only: new tokens per sequence, in order
     prefix_lens: tuple[int, ...] = ()  # prefill only: tokens already cached before this step
     num_decodes: int = 0  # prefill only: the first num_decodes sequences forward one token each (decodes)
-    # The fast path's decode attention: context splits and tile, None for its defaults (see runner.SHORT_CONTEXT)
+    # The fast path's decode attention: context splits and tile, None for its defaults (see plan.DecodeAttentionPlan)
     decode_splits: int | None = None
     decode_block_n: int | None = None
 

@@ -169,7 +169,7 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
     t_parse, t_template, t_tokenize, t_queue = (clock.ms(t) for t in (
         marks.received, marks.template, marks.tokenize, marks.queue))
     prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
-    shapes = device_shapes(engine.device)
+    shapes = device_shapes(engine.device, engine.plan)
     prefill = prefill_record(rec, prefill_step, engine, ceilings, shapes)
     steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, engine.tokenizer.token_text, prefill_step,
                                   shapes)

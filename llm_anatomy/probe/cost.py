@@ -19,11 +19,12 @@ assumed to stay in L2 from one wave to the next. Sampling is counted as one read
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..models.config import ModelConfig
+from ..engine.plan import DecodeAttentionPlan
 
 
 @dataclass(frozen=True)
@@ -84,16 +85,21 @@ class KernelShapes:
     gated: GemmTiling = GemmTiling(128, 128, "grouped", 16)
     gated_min_rows: int = 1024
     gemv_max_rows: int = 16  # kernels/gemv.py MAX_ROWS: up to this many rows a product is a GEMV
-    # Decode attention's context splits (engine/runner.py, kernels/decode_attention.py): each split writes float32
+    # Decode attention's context splits (the engine's plan, kernels/decode_attention.py): each split writes float32
     # partials (head_dim + 2 values) that the merge reads back.
-    short_context: int = 2048
-    short_splits: int = 16
-    long_splits: int = 48
+    attention: DecodeAttentionPlan = DecodeAttentionPlan()
+    # The precision the engine runs (its plan): bytes of a decoder layer's linear weight element (1 for fp8, with a
+    # float32 scale per output row) and of a KV cache element; 0: the activations' dtype. lm_head stays in it.
+    weight_size: int = 0
+    weight_row_scale_bytes: int = 0
+    kv_size: int = 0
+
+    def kv_bytes_per_token(self, c: ModelConfig, dtype: torch.dtype) -> int:
+        return c.num_hidden_layers * 2 * c.kv_size * (self.kv_size or dtype.itemsize)
 
     def decode_splits(self, batch: int, longest_context: int, kv_heads: int) -> int:
-        if batch == 1:
-            return self.short_splits if longest_context <= self.short_context else self.long_splits
-        return max(1, min(64, -(-2 * self.sms // (batch * kv_heads))))
+        splits, _ = self.attention.for_step(batch, longest_context)
+        return splits or max(1, min(64, -(-2 * self.sms // (batch * kv_heads))))
 
 
 DEFAULT_SHAPES = KernelShapes()
@@ -157,14 +163,16 @@ def _tile_coords(t: int, tm: int, tn: int, tiling: GemmTiling) -> tuple[int, int
 def _linear_bytes(rows: int, n: int, k: int, size: int, shapes: KernelShapes, gated: bool = False,
                   residual: bool = False) -> tuple[float, float]:
     """(weight bytes, input bytes) of one linear layer over `rows` tokens: a GEMV reads each once; a GEMM (more
-    rows) per wave of tiles, and the products that feed the residual stream also read it (added in the epilogue)."""
+    rows) per wave of tiles, and the products that feed the residual stream also read it (added in the epilogue).
+    Weights at the plan's size (shapes.weight_size), their per-row scales once."""
+    wsize, scales = shapes.weight_size or size, n * shapes.weight_row_scale_bytes
     if rows <= shapes.gemv_max_rows:
-        return n * k * size, rows * k * size
-    if gated and rows >= shapes.gated_min_rows:
+        return n * k * wsize + scales, rows * k * size
+    if gated and rows >= shapes.gated_min_rows and not shapes.weight_size:
         a, w = gemm_reads(rows, n // 2, k, shapes.gated, shapes.sms, 2 * shapes.gated.bn)
     else:
         a, w = gemm_reads(rows, n, k, shapes.cublas, shapes.sms)
-    return w * size, (a + (rows * n if residual else 0)) * size
+    return w * wsize + scales, (a + (rows * n if residual else 0)) * size
 
 
 def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShapes) -> dict[str, float]:
@@ -212,7 +220,7 @@ def _step(c: ModelConfig, dtype: torch.dtype, tokens: int, sampled: int, attenti
         "linear_inputs": {"bytes": layer["linear_inputs"]},
         "attention": {"flops": attention_flops_, "bytes": layer["attention_q"] + partials},
         "kv_read": {"bytes": kv_read},
-        "kv_write": {"bytes": tokens * c.kv_bytes_per_token(dtype)},
+        "kv_write": {"bytes": tokens * shapes.kv_bytes_per_token(c, dtype)},
         "rope": {"bytes": layer["rope"]},
         "norm": {"bytes": layer["norm"] + final_norm},
         "activation": {"bytes": layer["activation"]},
@@ -230,7 +238,7 @@ def prefill_cost(c: ModelConfig, dtype: torch.dtype, seqs: list[tuple[int, int]]
     Attention reads this step's K and V and each cached prefix once."""
     tokens = sum(n for n, _ in seqs)
     logits_tokens = len(seqs) if logits_tokens is None else logits_tokens
-    kv_read = sum(p + n for n, p in seqs) * c.kv_bytes_per_token(dtype)
+    kv_read = sum(p + n for n, p in seqs) * shapes.kv_bytes_per_token(c, dtype)
     return _step(c, dtype, tokens, logits_tokens, sum(attention_flops(c, n, p, causal) for n, p in seqs), kv_read,
                  0.0, shapes)
 
@@ -242,7 +250,8 @@ def decode_cost(c: ModelConfig, dtype: torch.dtype, context_lens: list[int], sha
     splits = shapes.decode_splits(batch, max(context_lens), c.num_key_value_heads)
     partials = c.num_hidden_layers * batch * c.num_attention_heads * splits * (c.head_dim + 2) * 4
     flops = sum(4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n for n in context_lens)
-    return _step(c, dtype, batch, batch, flops, sum(context_lens) * c.kv_bytes_per_token(dtype), partials, shapes)
+    return _step(c, dtype, batch, batch, flops, sum(context_lens) * shapes.kv_bytes_per_token(c, dtype), partials,
+                 shapes)
 
 
 def kv_formula(c: ModelConfig, dtype: torch.dtype) -> str:
@@ -250,10 +259,17 @@ def kv_formula(c: ModelConfig, dtype: torch.dtype) -> str:
             f"x {dtype.itemsize} B = {c.kv_bytes_per_token(dtype):,} B per token")
 
 
-def device_shapes(device: torch.device) -> KernelShapes:
-    """The default shapes with this device's multiprocessor count (the width of a wave of tiles)."""
-    if device.type != "cuda":
-        return DEFAULT_SHAPES
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_SHAPES if sms == DEFAULT_SHAPES.sms else KernelShapes(sms=sms)
+def device_shapes(device: torch.device, plan=None) -> KernelShapes:
+    """The default shapes with this device's multiprocessor count (the width of a wave of tiles) and, given the
+    engine's plan, its precision (fp8 weights with a scale per row, an fp8 KV cache) and decode attention."""
+    shapes = DEFAULT_SHAPES
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        shapes = shapes if sms == shapes.sms else replace(shapes, sms=sms)
+    if plan is not None:
+        fp8_weights = plan.weight_dtype == "float8_e4m3fn"
+        shapes = replace(shapes, attention=plan.decode_attention, weight_size=1 if fp8_weights else 0,
+                         weight_row_scale_bytes=4 if fp8_weights else 0,
+                         kv_size=1 if plan.kv_cache_dtype == "float8_e4m3fn" else 0)
+    return shapes
 

@@ -137,7 +137,7 @@ class DramReplay:
         if settings is not None:  # a pool for the replay alone: the prompt, its decode step, a block to spare
             settings["kv_cache_tokens"] = len(prompt_token_ids) + 2 * settings.get("block_size", 16)
         return cls(settings, list(prompt_token_ids), dict(sampling), engine.config, engine.dtype,
-                   device_shapes(engine.device), engine.device.type)
+                   device_shapes(engine.device, engine.plan), engine.device.type)
 
     def measure(self, ncu: str | None = None, timeout_s: float = TIMEOUT_S, progress=None) -> DramRecord:
         """Run the replay under Nsight Compute; a record that says why not where it cannot. `progress(line)` is

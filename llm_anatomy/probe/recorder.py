@@ -342,7 +342,7 @@ def kv_record(engine, rec: RequestTrace, seq: Sequence) -> KVCacheRecord:
         return room // (pool.blocks_for(length) * pool.bytes_per_block) if length else 0
 
     return KVCacheRecord(
-        bytes_per_token=bpt, formula=kv_formula(engine.config, engine.dtype), dtype=str(engine.dtype).split(".")[-1],
+        bytes_per_token=bpt, formula=kv_formula(engine.config, pool.dtype), dtype=str(pool.dtype).split(".")[-1],
         block_size=pool.block_size, pool_blocks=pool.num_blocks, pool_bytes=pool.total_bytes,
         pool_share_of_device=pool.total_bytes / device_total if device_total else None,
         blocks_allocated=blocks, tokens=tokens, bytes_used=tokens * bpt, bytes_allocated=blocks * pool.bytes_per_block,
