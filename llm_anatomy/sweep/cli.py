@@ -53,10 +53,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu", required=True, help="a GPU of the table (h100-sxm, h100-pcie, h200, h20, a100-40gb, "
                                                 "a100-80gb, l40s, l4, b200, rtx-4090)")
     p.add_argument("--model", required=True, help="a Qwen3 size (Qwen3-0.6B .. Qwen3-32B), hub id or config dir")
-    p.add_argument("--context", type=int, default=4096,
-                   help="context limit per sequence, and the context TPOT is predicted at (default 4096)")
+    p.add_argument("--context", type=int,
+                   help="context limit per sequence, and the context TPOT is predicted at (default 4096, or the "
+                        "model's if shorter)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together for TPOT (default 1)")
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length for TTFT (default 1024)")
+    p.add_argument("--prompt-tokens", type=int, help="prompt length for TTFT (default 1024, or --context if shorter)")
     p.add_argument("--quantization", default="bf16", help="bf16 or fp8 weights (default bf16)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (default auto)")
     p.add_argument("--tpot-ms", type=float, help="find the largest batch whose TPOT at --context meets this")

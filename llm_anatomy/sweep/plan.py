@@ -77,11 +77,12 @@ def _check(name: str, value, low, high=None) -> None:
                            else f"{name} must be > 0, got {value}")
 
 
-def plan(gpu: str, model: str, *, context: int = 4096, batch: int = 1, prompt_tokens: int = 1024,
+def plan(gpu: str, model: str, *, context: int | None = None, batch: int = 1, prompt_tokens: int | None = None,
          quantization: str = "bf16", kv_cache_dtype: str = "auto", tpot_ms: float | None = None,
          ttft_ms: float | None = None, from_sweep: Path | None = None, gpu_memory_utilization: float = 0.9,
          max_num_batched_tokens: int = 8192) -> dict:
-    """Predictions for `model` on `gpu`; `assumptions` says what each one leans on."""
+    """Predictions for `model` on `gpu`; `assumptions` says what each one leans on. The context defaults to
+    4096 tokens (or the model's, if shorter), the prompt to 1024 (or the context, if shorter)."""
     from ..hub import resolve
     from ..models.config import ModelConfig, parse_dtype
     from ..probe.cost import kv_formula
@@ -90,6 +91,8 @@ def plan(gpu: str, model: str, *, context: int = 4096, batch: int = 1, prompt_to
     source = resolve(model)
     config = ModelConfig.from_hf(source.config)
     top = config.max_position_embeddings
+    context = min(4096, top) if context is None else context
+    prompt_tokens = min(1024, context) if prompt_tokens is None else prompt_tokens
     for q, table, flag in ((quantization, QUANTIZATIONS, "--quantization"),
                            (kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")):
         if str(q).lower() not in table:

@@ -195,30 +195,34 @@ def _bounds(name: str) -> tuple[float, float]:
     return BOUNDS.get(name, EFFICIENCY_BOUNDS)
 
 
-def _descend(rows: list[tuple], measured: list[float], model, names: tuple[str, ...], prior: dict, start: dict,
-             scales: tuple[float, ...] = (4.0, 2.0, 1.25, 1.05, 1.01)) -> dict:
-    """Coordinate descent on sum (log predicted - log measured)^2 + PRIOR_WEIGHT x sum (log theta / prior)^2,
-    each parameter tried on a log grid around its value, the grid narrowing round by round."""
+def _fit(rows: list[tuple], measured: list[float], model, names: tuple[str, ...], prior: dict, start: dict) -> dict:
+    """Least squares on log time: minimise sum (log predicted - log measured)^2 + PRIOR_WEIGHT x
+    sum (log theta / prior)^2 over the log of the parameters `names` (L-BFGS; each kept within its bounds)."""
     theta = dict(start)
     if not rows:
         return theta
-    x = torch.tensor(rows, dtype=torch.float64).T.unsqueeze(1)  # [features, 1, N]
+    x = torch.tensor(rows, dtype=torch.float64).T  # [features, N]
     y = torch.log(torch.tensor(measured, dtype=torch.float64))
-    steps = torch.linspace(-1, 1, 41, dtype=torch.float64)
-    for scale in scales:
-        for _ in range(2):
-            for name in names:
-                low, high = _bounds(name)
-                candidates = (theta[name] * scale ** steps).clamp(low, high)
-                trial = {k: (candidates.unsqueeze(1) if k == name else torch.tensor(v, dtype=torch.float64))
-                         for k, v in theta.items()}
-                predicted = model(x, trial)  # [41, N]
-                loss = ((predicted.clamp_min(1e-9).log() - y) ** 2).sum(dim=1)
-                for k in names:
-                    value = trial[k].squeeze(-1) if k == name else trial[k]
-                    loss = loss + PRIOR_WEIGHT * torch.log(value / prior[k]) ** 2
-                theta[name] = float(candidates[int(torch.argmin(loss))])
-    return theta
+    log_prior = torch.log(torch.tensor([prior[k] for k in names], dtype=torch.float64))
+    low = torch.log(torch.tensor([_bounds(k)[0] for k in names], dtype=torch.float64))
+    high = torch.log(torch.tensor([_bounds(k)[1] for k in names], dtype=torch.float64))
+    z = torch.log(torch.tensor([theta[k] for k in names], dtype=torch.float64)).requires_grad_(True)
+    optimizer = torch.optim.LBFGS([z], lr=1.0, max_iter=300, tolerance_grad=1e-10, tolerance_change=1e-12,
+                                  line_search_fn="strong_wolfe")
+
+    def objective():
+        optimizer.zero_grad()
+        zc = torch.maximum(torch.minimum(z, high), low)
+        values = {**{k: torch.tensor(v, dtype=torch.float64) for k, v in theta.items()},
+                  **{k: torch.exp(zc[i]) for i, k in enumerate(names)}}
+        loss = ((torch.log(model(x, values)) - y) ** 2).sum() + PRIOR_WEIGHT * ((zc - log_prior) ** 2).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(objective)
+    fitted = torch.exp(torch.maximum(torch.minimum(z.detach(), high), low))
+    return {**theta, **{k: float(fitted[i]) for i, k in enumerate(names)}}
 
 
 def training_rows(records: list[dict], hw: Hardware, quantization: str | None):
@@ -236,13 +240,14 @@ def training_rows(records: list[dict], hw: Hardware, quantization: str | None):
     return p_rows, p_ms, d_rows, d_ms
 
 
-def fit_efficiencies(records: list[dict], hw: Hardware, quantization: str | None, prior: Efficiencies
-                     ) -> Efficiencies:
-    """Efficiencies fitted to the steps of sweep records of one precision (ok points only), from the prior."""
+def fit_efficiencies(records: list[dict], hw: Hardware, quantization: str | None, prior: Efficiencies,
+                     start: Efficiencies | None = None) -> Efficiencies:
+    """Efficiencies fitted to the steps of sweep records of one precision (ok points only). The search starts
+    from `start` (default: the prior); the minimum it converges to does not depend on it, only the time taken."""
     ok = [r for r in records if r.get("status") == "ok"]
     p_rows, p_ms, d_rows, d_ms = training_rows(ok, hw, quantization)
-    theta = _descend(d_rows, d_ms, decode_time, DECODE, prior.values(), prior.values())
-    theta = _descend(p_rows, p_ms, prefill_time, PREFILL, prior.values(), theta)
+    theta = _fit(d_rows, d_ms, decode_time, DECODE, prior.values(), (start or prior).values())
+    theta = _fit(p_rows, p_ms, prefill_time, PREFILL, prior.values(), theta)
     return Efficiencies(**theta, source=f"fitted to {len(p_rows)} prefill steps and {len(d_rows)} decode points")
 
 

@@ -94,9 +94,11 @@ def leave_one_out(meta: dict, records: list[dict]) -> dict:
         if len(mine) < 2:
             continue
         precision = _precision(mine[0])
+        everything = fit_efficiencies(mine, hw, precision.quantization, prior)
         for r in mine:
             others = [x for x in mine if x is not r]
-            setup = _setup(meta, precision, hw, fit_efficiencies(others, hw, precision.quantization, prior))
+            setup = _setup(meta, precision, hw, fit_efficiencies(others, hw, precision.quantization, prior,
+                                                                 start=everything))
             if setup is None:
                 continue
             predicted = predict_point(setup, r["batch"], r["prompt_tokens"], r["output_tokens"])
