@@ -274,3 +274,39 @@ def test_run_records_each_engine_step_once(tiny):
     walls = run.walls_ms()
     assert sum(walls.values()) == pytest.approx((run.steps[-1].step.t_end_ns - run.t0_ns) / 1e6)
     assert Point(Precision(), 10, 3, 5).tokens_per_sequence == 15
+
+
+def test_the_roofline_ridge_is_where_flops_time_meets_bytes_time(tiny):
+    from llm_anatomy.models.config import ModelConfig
+    from llm_anatomy.probe.cost import decode_cost
+    from llm_anatomy.sweep.planner import roofline_ridge_batch
+
+    config = ModelConfig.from_hf({**TINY, "model_type": "qwen3"})
+    ridge = roofline_ridge_batch(config, torch.float32, Precision(), 100, 1000.0, 2.0)  # ridge at 2 FLOP/B
+    assert ridge > 2
+    for b, below in ((int(ridge), True), (int(ridge) + 1, False)):
+        cost = decode_cost(config, torch.float32, [100] * b)
+        assert (cost.flops / 2e12 < cost.bytes / 1000e9) == below
+    # each sequence brings ~3 FLOP per byte of its own: a ridge at 5 is never reached, one at 0.1 from batch 1
+    assert roofline_ridge_batch(config, torch.float32, Precision(), 100, 1000.0, 5.0) is None
+    assert roofline_ridge_batch(config, torch.float32, Precision(), 100, 1000.0, 0.1) == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_sweep_measures_energy_memory_and_validates_itself(tmp_path):
+    out = tmp_path / "out"
+    grid = Grid.parse("128,1024", "1,4", "64")
+    opts = SweepOptions(model="Qwen/Qwen3-0.6B", weights="synthetic", device="cuda", energy_seconds=0.5,
+                        gpu_memory_utilization=0.5)
+    meta, records = run_sweep(grid, opts, out, console=Console(file=io.StringIO()))
+    summary = write_report(out, meta, records)
+    assert [r["status"] for r in records] == ["ok"] * 4
+    for r in records:
+        assert r["peak_memory_bytes"] > r["activation_peak_bytes"] > 0
+        for phase in ("prefill", "decode"):  # NVML's counter, over windows of at least half a second
+            e = r["energy"][phase]
+            assert e["joules_per_token"] > 0 and e["intervals"] >= 3 and e["seconds"] >= 0.3
+            assert e["uncertainty_j_per_token"] < 0.05 * e["joules_per_token"]
+    assert meta["engines"]["bf16-kvauto"]["memory"]["total"] > 0 and meta["gpu"] is not None
+    assert summary["leave_one_out"]["available"]

@@ -193,7 +193,8 @@ def _assumptions(gpu: Gpu, eff: Efficiencies, precision: Precision, cap: dict, c
         f"ttft_ms: the prefill steps of one {prompt_tokens}-token prompt (no queueing, tokenization or network), at "
         f"{v['prefill_mm']:.0%} of the matmul rate for the linear layers, {v['prefill_attn']:.0%} for attention, "
         f"{v['prefill_bw']:.0%} of the bandwidth for its bytes, {v['prefill_t0_ms']:.3f} ms per step; of {rates}",
-        f"tpot_ms: one decode step of {batch} sequences each at {context} tokens of context: weights at "
+        f"tpot_ms: one decode step of {batch} sequence{'s' if batch > 1 else ''} at {context} tokens of context: "
+        f"weights at "
         f"{v['decode_bw']:.0%} of the bandwidth, KV and activations at {v['decode_kv']:.0%}, the linear layers' "
         f"FLOPs at {v['decode_mm']:.0%} of the matmul rate, {v['decode_t0_ms']:.3f} ms + {v['decode_seq_ms']:.4f} ms "
         f"per sequence of step overhead",
@@ -201,7 +202,8 @@ def _assumptions(gpu: Gpu, eff: Efficiencies, precision: Precision, cap: dict, c
         f"max_concurrent_sequences: {gpu.memory_gb:g} GB read as {cap['memory_bytes'] / 1e9:.2f}e9 bytes (device "
         f"memory is sold in binary GB); the KV pool takes what {cap['gpu_memory_utilization']:.0%} of it leaves "
         f"after the weights ({cap['weights_bytes'] / 1e9:.2f} GB), the runtime ({cap['runtime_bytes'] / 1e9:.2f} GB, "
-        f"{runtime_source}) and a {budget}-token prefill step's activations ({cap['activations_bytes'] / 1e9:.2f} GB, "
+        f"{runtime_source}) and a {min(budget, context)}-token prefill step's activations "
+        f"({cap['activations_bytes'] / 1e9:.2f} GB, "
         f"estimated from the model's shapes), in blocks of {cap['block_size']} tokens per sequence",
         f"kv_bytes_per_token: {formula}" + (" at 1 byte per element (fp8 KV cache)"
                                             if precision.kv_cache_dtype == "fp8" else ""),

@@ -340,26 +340,20 @@ def predict_point(s: Setup, batch: int, prompt: int, output: int) -> dict:
 
 
 def roofline_ridge_batch(config: ModelConfig, dtype: torch.dtype, precision: Precision, context: float,
-                         gbps: float, tflops: float, limit: int = 1 << 16) -> float | None:
-    """The batch at which a decode step's FLOPs at `tflops` take as long as its bytes at `gbps` (the roofline's
-    ridge, in sequences), interpolated between integers; None if past `limit`."""
+                         gbps: float, tflops: float) -> float | None:
+    """The batch at which a decode step's FLOPs at `tflops` take as long as its bytes at `gbps`: the roofline's
+    ridge, in sequences. Both grow linearly with the batch (weights once, the rest per sequence), so two batches
+    fix the line; None when the FLOPs never catch up (each sequence's own bytes already past the ridge)."""
     def gap(b: int) -> float:
         cost = precision_cost(decode_cost(config, dtype, [context] * b), config, dtype, precision)
         return cost.flops / (tflops * 1e12) - cost.bytes / (gbps * 1e9)
 
-    previous, b = 1, 1
-    if gap(1) >= 0:
+    g1, g2 = gap(1), gap(2)
+    if g1 >= 0:
         return 1.0
-    while b < limit:
-        previous, b = b, b * 2
-        if gap(b) >= 0:
-            low, high = previous, b
-            while high - low > 1:
-                mid = (low + high) // 2
-                low, high = (mid, high) if gap(mid) < 0 else (low, mid)
-            g0, g1 = gap(low), gap(high)
-            return low + (-g0) / (g1 - g0)
-    return None
+    if g2 <= g1:
+        return None
+    return 1 + -g1 / (g2 - g1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

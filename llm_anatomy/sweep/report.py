@@ -314,14 +314,24 @@ def _figure(plot: dict) -> dict:
     return json.loads(fig.to_json(validate=False, engine="json"))
 
 
-def _fmt(x, digits=3, scale=1.0, pct=False) -> str:
+def _fmt(x, digits=3, pct=False) -> str:
+    """A number with `digits` significant digits (thousands separated), or a percentage; "" for none."""
     v = _finite(x)
     if v is None:
         return ""
     if pct:
-        return f"{v:.0%}" if abs(v) >= 0.1 else f"{v:.1%}"
-    v /= scale
+        return f"{v:.0%}" if abs(v) >= 0.1 else f"{v:.1%}" if abs(v) >= 0.01 else f"{v * 100:.2g}%"
     return f"{v:,.{digits}g}" if abs(v) < 10 ** digits else f"{v:,.0f}"
+
+
+def _bytes(x) -> str:
+    v = _finite(x)
+    if v is None:
+        return ""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g} {unit}"
+    return f"{v:.0f} B"
 
 
 def point_rows(records: list[dict]) -> list[dict]:
@@ -334,7 +344,7 @@ def point_rows(records: list[dict]) -> list[dict]:
                      "mbu": _fmt(r.get("decode_mbu"), pct=True), "kv_share": _fmt(r.get("decode_kv_share"), pct=True),
                      "out_tps": _fmt(r.get("output_tokens_per_s")), "total_tps": _fmt(r.get("total_tokens_per_s")),
                      "j_prefill": _fmt(r.get("prefill_j_per_token")), "j_decode": _fmt(r.get("decode_j_per_token")),
-                     "kv_gb": _fmt(r.get("kv_bytes"), scale=1e9), "peak_gb": _fmt(r.get("peak_memory_bytes"), scale=1e9),
+                     "kv": _bytes(r.get("kv_bytes")), "peak": _bytes(r.get("peak_memory_bytes")),
                      "anatomy": r.get("anatomy") or ""})
     return rows
 
@@ -343,16 +353,16 @@ POINT_COLUMNS = (("precision", "precision"), ("prompt", "prompt"), ("batch", "ba
                  ("status", "status"), ("ttft", "TTFT ms"), ("tflops", "prefill TFLOP/s"), ("mfu", "MFU"),
                  ("tpot", "TPOT ms"), ("mbu", "MBU"), ("kv_share", "KV share"), ("out_tps", "out tok/s"),
                  ("total_tps", "total tok/s"), ("j_prefill", "J/prompt tok"), ("j_decode", "J/output tok"),
-                 ("kv_gb", "KV GB"), ("peak_gb", "peak GB"))
+                 ("kv", "KV bytes"), ("peak", "peak memory"))
 # The terminal splits the columns in two tables (each point's key columns in both), so that each fits a terminal.
-TERMINAL_TABLES = (("Latency and throughput", ("status", "ttft", "tpot", "out_tps", "total_tps", "kv_gb", "peak_gb")),
+TERMINAL_TABLES = (("Latency and throughput", ("status", "ttft", "tpot", "out_tps", "total_tps", "kv", "peak")),
                    ("Rooflines and energy", ("tflops", "mfu", "mbu", "kv_share", "j_prefill", "j_decode")))
 
 
 def _predicted_ridge(r: dict) -> str:
     if r["predicted_batch"] is not None:
         return _fmt(r["predicted_batch"])
-    return "n/a" if r["predicted_basis"] == "no ceilings" else "past 65,536"
+    return "n/a" if r["predicted_basis"] == "no ceilings" else "never"
 
 
 def render_html(summary: dict) -> str:
