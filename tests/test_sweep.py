@@ -183,6 +183,10 @@ def test_interrupted_sweep_resumes_without_redoing_finished_points(tiny, tmp_pat
     measured.clear()
     meta, records = sweep(tiny, out, batch="1,2,3")  # all done: nothing measured, the report written again
     assert measured == [] and len(records) == 3
+    meta["engines"]["bf16-kvauto"]["weights_source"] = "/somewhere/else"  # as if --weights auto found a checkpoint
+    (out / "sweep_meta.json").write_text(json.dumps(meta))
+    with pytest.raises(AnatomyError, match="holds points measured with /somewhere/else, but the engine now runs"):
+        sweep(tiny, out, batch="1,2,3,4")
 
 
 def test_points_that_do_not_fit_are_recorded_and_the_sweep_goes_on(tiny, tmp_path, monkeypatch):

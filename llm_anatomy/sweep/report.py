@@ -206,39 +206,57 @@ def _series(name, xs, ys, axis="y", dash=None) -> dict:
     return {"name": name, "x": [p[0] for p in pairs], "y": [p[1] for p in pairs], "axis": axis, "dash": dash}
 
 
+def _batch_series(mine: list[dict]):
+    """Series over the batch size: one per prompt length (and output length, when the sweep has several)."""
+    several = len({r["output_tokens"] for r in mine}) > 1
+    for prompt, output in sorted({(r["prompt_tokens"], r["output_tokens"]) for r in mine}):
+        name = f"prompt {prompt}" + (f", output {output}" if several else "")
+        yield name, sorted((r for r in mine if (r["prompt_tokens"], r["output_tokens"]) == (prompt, output)),
+                           key=lambda r: r["batch"])
+
+
+def _ridge_lines(ridge_rows: list[dict]) -> list[dict]:
+    """Vertical lines at each precision's ridges, for its shortest prompt and output."""
+    lines = []
+    for row in ridge_rows:
+        mine = [x for x in ridge_rows if x["precision"] == row["precision"]]
+        if (row["prompt_tokens"], row["output_tokens"]) != min((x["prompt_tokens"], x["output_tokens"]) for x in mine):
+            continue
+        for which in ("measured", "predicted"):
+            if row[f"{which}_batch"] is not None:
+                lines.append({"x": row[f"{which}_batch"], "dash": "solid" if which == "measured" else "dash",
+                              "name": f"{row['precision']}, prompt {row['prompt_tokens']}: {which} ridge "
+                                      f"{row[f'{which}_batch']:.0f}"})
+    return lines
+
+
 def plot_data(meta: dict, records: list[dict], ridge_rows: list[dict], loo: dict) -> dict:
     ok = _ok(records)
     plots = {}
     smallest = min((r["batch"] for r in ok), default=1)
+    shortest = min((r["output_tokens"] for r in ok), default=1)
     prefill, decode, batch, energy = [], [], [], []
     for label in _labels(ok):
         mine = [r for r in ok if r["precision"] == label]
-        base = sorted((r for r in mine if r["batch"] == smallest), key=lambda r: r["prompt_tokens"])
+        base = sorted((r for r in mine if r["batch"] == smallest and r["output_tokens"] == shortest),
+                      key=lambda r: r["prompt_tokens"])
         xs = [r["prompt_tokens"] for r in base]
         prefill += [_series(f"{label}: prefill ms", xs, [r["prefill_ms"] for r in base]),
                     _series(f"{label}: MFU", xs, [r["prefill_mfu"] for r in base], "y2", "dot")]
-        base = sorted((r for r in base if r.get("tpot_ms")), key=lambda r: r["decode_context_mean"])
+        base = sorted((r for r in mine if r["batch"] == smallest and r.get("tpot_ms")),
+                      key=lambda r: r["decode_context_mean"])
         xs = [r["decode_context_mean"] for r in base]
         decode += [_series(f"{label}: TPOT ms", xs, [r["tpot_ms"] for r in base]),
                    _series(f"{label}: MBU", xs, [r.get("decode_mbu") for r in base], "y2", "dot"),
                    _series(f"{label}: KV share of bytes", xs, [r.get("decode_kv_share") for r in base], "y2", "dash")]
-        for prompt in sorted({r["prompt_tokens"] for r in mine}):
-            s = sorted((r for r in mine if r["prompt_tokens"] == prompt), key=lambda r: (r["batch"], r["output_tokens"]))
+        for name, s in _batch_series(mine):
             xs = [r["batch"] for r in s]
-            batch += [_series(f"{label}, prompt {prompt}: output tok/s", xs, [r["output_tokens_per_s"] for r in s]),
-                      _series(f"{label}, prompt {prompt}: TPOT ms", xs, [r.get("tpot_ms") for r in s], "y2", "dot")]
-            energy += [_series(f"{label}, prompt {prompt}: J per output token", xs,
-                               [r.get("decode_j_per_token") for r in s]),
-                       _series(f"{label}, prompt {prompt}: J per prompt token", xs,
-                               [r.get("prefill_j_per_token") for r in s], "y", "dot")]
-    lines = []
-    for row in ridge_rows:
-        if row["prompt_tokens"] == min(x["prompt_tokens"] for x in ridge_rows if x["precision"] == row["precision"]):
-            for which in ("measured", "predicted"):
-                if row[f"{which}_batch"] is not None:
-                    lines.append({"x": row[f"{which}_batch"], "dash": "solid" if which == "measured" else "dash",
-                                  "name": f"{row['precision']}, prompt {row['prompt_tokens']}: {which} ridge "
-                                          f"{row[f'{which}_batch']:.0f}"})
+            batch += [_series(f"{label}, {name}: output tok/s", xs, [r["output_tokens_per_s"] for r in s]),
+                      _series(f"{label}, {name}: TPOT ms", xs, [r.get("tpot_ms") for r in s], "y2", "dot")]
+            energy += [_series(f"{label}, {name}: J per output token", xs, [r.get("decode_j_per_token") for r in s]),
+                       _series(f"{label}, {name}: J per prompt token", xs, [r.get("prefill_j_per_token") for r in s],
+                               "y", "dot")]
+    lines = _ridge_lines(ridge_rows)
     plots["prefill"] = {"title": f"Prefill time and MFU against prompt length (batch {smallest})",
                         "x": "prompt tokens", "y": "prefill ms (device)", "y2": "MFU", "log_x": True, "series": prefill}
     plots["decode"] = {"title": f"TPOT and MBU against context (batch {smallest}), with the KV reads' share of bytes",

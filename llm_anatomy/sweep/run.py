@@ -181,6 +181,7 @@ def engine_record(engine, precision: Precision) -> dict:
             "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
             "max_model_len": engine.max_model_len, "weights_bytes": engine.weights.bytes,
             "weights": engine.weights.label, "weights_kind": engine.weights.kind,
+            "weights_source": engine.weights.source,
             "parameters": engine.weights.num_parameters, "startup_s": engine.startup_seconds, "memory": memory}
 
 
@@ -313,6 +314,10 @@ def _measure_all(todo: list[Point], grid: Grid, options: SweepOptions, results: 
         for precision, points in itertools.groupby(todo, key=lambda p: p.precision):
             progress.update(task, description=f"starting the {precision.label} engine")
             engine = start_engine(options, precision, grid, device)
+            before = {e.get("weights_source") for e in results.meta["engines"].values()}
+            if before and engine.weights.source not in before:  # --weights auto found other weights this time
+                raise AnatomyError(f"{results.dir} holds points measured with {before.pop()}, but the engine now "
+                                   f"runs {engine.weights.source}: use --fresh or another --out")
             results.meta["engines"][precision.key] = engine_record(engine, precision)
             results.save_meta()
             for point in points:
