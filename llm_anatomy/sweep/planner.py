@@ -30,16 +30,14 @@ SMOOTH_P = 3.0  # the p of the smooth maximum; 3 puts a step at the ridge 26% ab
 PRIOR_WEIGHT = 0.01  # per parameter, on (log efficiency - log default)^2: the defaults hold where the data is mute
 GIB = 1 << 30
 
-# Default efficiencies, each as (fraction of the calibrated ceiling the engine reaches, which ceiling). They were
-# measured with Qwen3-8B in bf16 on the H200 (benchmarks/RESULTS.md): the batch-1 decode step streams its weights
-# at ~89% of the read ceiling, decode attention reads the KV cache at ~76% of it, the batched decode GEMMs run at
-# ~81% of the burst matmul rate, prefill's GEMMs at ~80% and its causal attention (cuDNN) at ~77%; a short
-# prefill reads its weights at ~59%. Step overheads: host work per step and per sequence that the device waits for.
+# Default efficiencies, each as (fraction of the calibrated ceiling the engine reaches, which ceiling), measured with
+# Qwen3-8B in bf16 on the H200 (docs/sweep.md shows where each comes from). Step overheads: host work per step and
+# per sequence that the device waits for.
 DEFAULT_FRACTIONS = {
     "decode_bw": (0.89, "read"), "decode_mm": (0.81, "matmul"), "decode_kv": (0.76, "read"),
     "prefill_bw": (0.59, "read"), "prefill_mm": (0.80, "matmul"), "prefill_attn": (0.77, "matmul"),
 }
-DEFAULT_OVERHEADS_MS = {"decode_t0_ms": 0.05, "decode_seq_ms": 0.002, "prefill_t0_ms": 0.3}
+DEFAULT_OVERHEADS_MS = {"decode_t0_ms": 0.002, "decode_seq_ms": 0.0001, "prefill_t0_ms": 0.13}
 # Calibrated ceilings as fractions of the datasheet where this machine has none cached: the H200's calibration
 # (read 4459 of 4800 GB/s, matmul 790 of 989 TFLOP/s).
 DEFAULT_CEILING_FRACTIONS = {"read": 0.93, "matmul": 0.80}
