@@ -83,6 +83,8 @@ def plan(gpu: str, model: str, *, context: int | None = None, batch: int = 1, pr
          max_num_batched_tokens: int = 8192) -> dict:
     """Predictions for `model` on `gpu`; `assumptions` says what each one leans on. The context defaults to
     4096 tokens (or the model's, if shorter), the prompt to 1024 (or the context, if shorter)."""
+    import torch
+
     from ..hub import resolve
     from ..models.config import ModelConfig, parse_dtype
     from ..probe.cost import kv_formula
@@ -121,7 +123,7 @@ def plan(gpu: str, model: str, *, context: int | None = None, batch: int = 1, pr
     return _answer(device, source.name, config, dtype, precision, eff, context=context, batch=batch,
                    prompt_tokens=prompt_tokens, tpot_ms=tpot_ms, ttft_ms=ttft_ms, utilization=gpu_memory_utilization,
                    budget=max_num_batched_tokens, runtime=runtime, runtime_source=runtime_source, notes=notes,
-                   formula=kv_formula(config, dtype))
+                   formula=kv_formula(config, torch.float8_e4m3fn if precision.kv_cache_dtype == "fp8" else dtype))
 
 
 def _local_ceilings():
@@ -202,11 +204,10 @@ def _assumptions(gpu: Gpu, eff: Efficiencies, precision: Precision, cap: dict, c
         f"max_concurrent_sequences: {gpu.memory_gb:g} GB read as {cap['memory_bytes'] / 1e9:.2f}e9 bytes (device "
         f"memory is sold in binary GB); the KV pool takes what {cap['gpu_memory_utilization']:.0%} of it leaves "
         f"after the weights ({cap['weights_bytes'] / 1e9:.2f} GB), the runtime ({cap['runtime_bytes'] / 1e9:.2f} GB, "
-        f"{runtime_source}) and a {min(budget, context)}-token prefill step's activations "
+        f"{runtime_source}) and the activations of a prefill step of {min(budget, context)} tokens "
         f"({cap['activations_bytes'] / 1e9:.2f} GB, "
         f"estimated from the model's shapes), in blocks of {cap['block_size']} tokens per sequence",
-        f"kv_bytes_per_token: {formula}" + (" at 1 byte per element (fp8 KV cache)"
-                                            if precision.kv_cache_dtype == "fp8" else ""),
+        f"kv_bytes_per_token: {formula}" + (" (fp8 KV cache)" if precision.kv_cache_dtype == "fp8" else ""),
         f"energy_per_output_token_j_max: the board's maximum power ({gpu.power_w:.0f} W) x TPOT / batch, an upper "
         f"bound, not a measurement",
         "largest batches: searched up to the concurrent sequences that fit"
