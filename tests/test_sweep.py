@@ -124,7 +124,8 @@ def test_out_dir_of_another_sweep_or_a_file_is_refused(tiny, tmp_path):
 def test_a_small_sweep_writes_every_plots_data(tiny, tmp_path):
     out = tmp_path / "out"
     meta, records = sweep(tiny, out, prompt="8,24", batch="1,3", output="4",
-                          telemetry=Telemetry(FakeNvml(200.0), "fake NVML", 200.0), energy_seconds=0.3)
+                          telemetry=Telemetry(FakeNvml(200.0), "fake NVML", 200.0), energy_seconds=0.3,
+                          kv_cache_tokens=2048)  # room for decode blocks of 0.3 s
     lines = (out / "sweep.jsonl").read_text().splitlines()
     assert len(lines) == len(records) == 4
     for r in map(json.loads, lines):
@@ -301,16 +302,16 @@ def test_the_roofline_ridge_is_where_flops_time_meets_bytes_time(tiny):
 def test_a_gpu_sweep_measures_energy_memory_and_validates_itself(tmp_path):
     out = tmp_path / "out"
     grid = Grid.parse("128,1024", "1,4", "64")
-    opts = SweepOptions(model="Qwen/Qwen3-0.6B", weights="synthetic", device="cuda", energy_seconds=0.5,
+    opts = SweepOptions(model="Qwen/Qwen3-0.6B", weights="synthetic", device="cuda", energy_seconds=1.0,
                         gpu_memory_utilization=0.5)
     meta, records = run_sweep(grid, opts, out, console=Console(file=io.StringIO()))
     summary = write_report(out, meta, records)
     assert [r["status"] for r in records] == ["ok"] * 4
     for r in records:
         assert r["peak_memory_bytes"] > r["activation_peak_bytes"] > 0
-        for phase in ("prefill", "decode"):  # NVML's counter, over windows of at least half a second
+        for phase in ("prefill", "decode"):  # NVML's counter, over windows of at least a second
             e = r["energy"][phase]
-            assert e["joules_per_token"] > 0 and e["intervals"] >= 3 and e["seconds"] >= 0.3
+            assert e["joules_per_token"] > 0 and e["intervals"] >= 3 and e["seconds"] >= 0.5
             assert e["uncertainty_j_per_token"] < 0.05 * e["joules_per_token"]
     assert meta["engines"]["bf16-kvauto"]["memory"]["total"] > 0 and meta["gpu"] is not None
     assert summary["leave_one_out"]["available"]
