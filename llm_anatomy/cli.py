@@ -484,7 +484,19 @@ def add_compare(sub) -> None:
     add_parser(sub)
 
 
-COMMANDS = (add_call, add_serve, add_calibrate, add_report, add_bench, add_compare)
+def add_sweep(sub) -> None:
+    from .sweep.cli import add_sweep_parser
+
+    add_sweep_parser(sub)
+
+
+def add_plan(sub) -> None:
+    from .sweep.cli import add_plan_parser
+
+    add_plan_parser(sub)
+
+
+COMMANDS = (add_call, add_serve, add_calibrate, add_report, add_sweep, add_plan, add_bench, add_compare)
 
 
 def build_parser() -> argparse.ArgumentParser:
