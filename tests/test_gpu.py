@@ -44,15 +44,18 @@ def test_every_decode_gemv_shape_gets_a_tuned_tile(engine):
         assert dataclasses.replace(t, prefetch=0) in CANDIDATE_TILES and t.prefetch in (0, *PREFETCH_CHOICES), t
 
 
-def test_eager_prefill_at_a_new_length_compiles_nothing(engine):
-    with engine.eager():  # every prefill eager; the first compiles the launches without PDL
-        engine.generate(prompt_token_ids=list(range(1, 3000)), temperature=0, max_tokens=2, ignore_eos=True)
-        before = compiled_kernels()
-        for n in (1025, 1100, 3001, 3002, 77, 2050):
-            ids = torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            out = engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=2, ignore_eos=True)
-            assert len(out.output_token_ids) == 2
-        assert compiled_kernels() == before
+def test_eager_prefill_at_a_new_length_compiles_nothing(engine, monkeypatch):
+    """Every prefill eager (a runner with the engine's plan and no graphs, as prompts past the graphs' lengths
+    run): after start-up, no prompt length compiles a kernel."""
+    from llm_anatomy.engine.runner import ModelRunner
+
+    monkeypatch.setattr(engine, "runner", ModelRunner(engine.model, engine.pool, engine.device, engine.plan))
+    before = compiled_kernels()
+    for n in (1025, 1100, 3001, 3002, 77, 2050):
+        ids = torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        out = engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=2, ignore_eos=True)
+        assert len(out.output_token_ids) == 2
+    assert compiled_kernels() == before
 
 
 def test_short_context_decode_graph_gives_the_long_ones_logits(engine, monkeypatch):

@@ -127,7 +127,8 @@ class ModelRunner:
     def build_attention_plans(self, max_tokens: int) -> None:
         """Attention once at each eager bucket length above the graphs' up to max_tokens, so that cuDNN builds
         its plans now rather than in the first prompt of that length."""
-        cfg, dev, dtype = self.model.config, self.device, self.pool.k.dtype
+        cfg, dev = self.model.config, self.device
+        dtype = self.model.model.embed_tokens.weight.dtype  # the attention's, whatever the KV cache stores
         t = prefill_bucket(GRAPH_PREFILL_TOKENS[-1] + 1)
         while t <= prefill_bucket(max_tokens):
             q = torch.zeros(t, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=dev)
