@@ -1,7 +1,6 @@
 """The anatomy builder's budget: while the engine is busy it builds little, builds at once what someone asks
 for, drops the oldest unbuilt past its backlog (their metrics still counted), and catches up when idle."""
 
-import asyncio
 import time
 from types import SimpleNamespace
 
@@ -38,8 +37,7 @@ def finished_call(i: int):
     from llm_anatomy.server.loop import Call
 
     request = SimpleNamespace(want_anatomy=False)
-    call = Call(f"call{i:02d}", request, Marks(0, 0, 0, 0), [1, 2], None, None, NowLoop(), owner=None,
-                events=asyncio.Queue())
+    call = Call(f"call{i:02d}", request, Marks(0, 0, 0, 0), [1, 2], None, None, NowLoop(), owner=None)
     result = GenerationResult(call.id, [1, 2], [3] * (i + 1), "text", "length")
     return call, RequestTrace(Clock(Engine.device), call.id), result
 
@@ -88,3 +86,20 @@ def test_stopping_builds_what_is_left(tmp_path):
     builder.stop()
     assert store.ids() == [f"call{i:02d}" for i in range(4)]
     store.close()
+
+
+def test_many_values_histogram_exports_what_prometheus_client_would():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from llm_anatomy.server.metrics import TPOT_BUCKETS, _ManyHistogram
+
+    ours, reference = CollectorRegistry(), CollectorRegistry()
+    many = _ManyHistogram("gap_seconds", "Gaps.", "m", TPOT_BUCKETS)
+    ours.register(many)
+    one_by_one = Histogram("gap_seconds", "Gaps.", ["model_name"], buckets=TPOT_BUCKETS, registry=reference)
+    values = [0.0005, 0.001, 0.0025, 0.003, 0.02, 1.0, 100.0]  # on bounds, between, above all
+    many.observe_many(values)
+    for v in values:
+        one_by_one.labels("m").observe(v)
+    expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
+    assert generate_latest(ours).decode().splitlines() == expected

@@ -406,3 +406,45 @@ def test_openai_client_sees_400_not_422(server):
     r = httpx.get(f"{server.url}/v1/anatomy", params={"limit": "many"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
     still_serves(server)
+
+
+def test_512_concurrent_streams_queue_and_none_is_dropped(server):
+    """Far past max_num_seqs (16): the requests queue in the scheduler; every connection is served."""
+
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=[100 + i % 50, 7, 8], max_tokens=2,
+                                                 temperature=0, stream=True, extra_body=NO_EOS,
+                                                 stream_options={"include_usage": True})
+        usage = None
+        async for c in stream:
+            usage = c.usage or usage
+        return usage.completion_tokens
+
+    async def go():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300,
+                                    http_client=openai.DefaultAsyncHttpxClient(
+                                        limits=httpx.Limits(max_connections=512, max_keepalive_connections=512)))
+        out = await asyncio.gather(*(one(client, i) for i in range(512)), return_exceptions=True)
+        await client.close()
+        return out
+
+    results = asyncio.run(go())
+    assert results == [2] * 512, [r for r in results if r != 2][:3]
+    server.wait_idle()
+
+
+def test_stream_interval_sends_fewer_larger_chunks(checkpoint, tmp_path):
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256)
+    running = Running(engine, tmp_path, stream_interval=4)
+    try:
+        body = {**COMPLETION, "max_tokens": 10, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        events = sse_events(running, "/v1/completions", body)
+        counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+        assert counts == [1, 5, 9, 10, 10]  # the first token at once, then 4 a chunk, the rest, the finish reason
+        plain = post(running, {**COMPLETION, "max_tokens": 10}, "/v1/completions").json()["choices"][0]["text"]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == plain
+    finally:
+        running.stop()
+    with pytest.raises(ValueError, match="stream_interval"):
+        Running(engine, tmp_path, stream_interval=0)

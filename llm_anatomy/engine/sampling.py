@@ -81,7 +81,8 @@ class SamplingParams:
             bad("stop", f"must be a list of non-empty strings of at most {MAX_STOP_CHARS} characters")
         if len(self.stop) > MAX_STOP_STRINGS:
             bad("stop", f"takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(integer(t, 0, INT32_MAX) for t in self.stop_token_ids):
+        ids = self.stop_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(integer(t, 0, INT32_MAX) for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers (token ids)")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", f"takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
@@ -92,7 +93,8 @@ class SamplingParams:
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
             bad("logit_bias", "names a token id more than once")
         if self.logprobs is not None and not integer(self.logprobs, 0, MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (top alternatives per token), got {self.logprobs!r}")
+            bad("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (top alternatives per token), "
+                            f"got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -115,12 +115,9 @@ async def wait_done(ctx: ServerContext, call: Call, request: Request) -> Progres
     poll = ctx.options.poll_disconnect_s
     next_check = time.monotonic() + poll
     while True:
-        try:
-            event = await asyncio.wait_for(call.events.get(), max(0.0, next_check - time.monotonic()))
+        for event in await call.events.take(max(0.0, next_check - time.monotonic())):
             if isinstance(event, APIError) or (isinstance(event, Progress) and event.finish_reason is not None):
                 return event
-        except asyncio.TimeoutError:
-            pass
         if time.monotonic() >= next_check:
             if await request.is_disconnected():
                 ctx.loop.abort(call)
@@ -132,7 +129,7 @@ async def anatomy_of(ctx: ServerContext, call: Call) -> dict | None:
     """The call's anatomy summary, asking the builder for it first and waiting until it is built."""
     ctx.loop.builder.want(call.id)
     while not call.anatomy_built:
-        await call.events.get()  # the builder posts once it is done
+        await call.events.take()  # the builder posts once it is done
     return call.anatomy
 
 
@@ -163,16 +160,16 @@ class ChoiceStream:
         return body
 
     async def _next_event(self) -> Progress | APIError:
-        events = self.call.events
+        """The newest progress (the client fell behind: one chunk for all of it), or an error."""
         while True:
-            event = await events.get()
-            if isinstance(event, (Progress, APIError)):
-                break
-        while isinstance(event, Progress) and not events.empty():  # the client fell behind: one chunk for all
-            newer = events.get_nowait()
-            if isinstance(newer, (Progress, APIError)):
-                event = newer
-        return event
+            latest = None
+            for event in await self.call.events.take():
+                if isinstance(event, APIError):
+                    return event
+                if isinstance(event, Progress):
+                    latest = event
+            if latest is not None:
+                return latest
 
     async def lines(self):
         if self.req.chat:

@@ -45,7 +45,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         message = {404: f"no route {request.method} {request.url.path}",
-                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+                   405: f"method {request.method} is not allowed on {request.url.path}"
+                   }.get(e.status_code, str(e.detail))
         return error_response(APIError(e.status_code, message, code="not_found" if e.status_code == 404 else None))
 
     @app.exception_handler(RequestValidationError)

@@ -49,6 +49,45 @@ class Progress:
     logprobs: list | None = None
 
 
+class Mailbox:
+    """A call's events, from the engine thread to its handler on the event loop: the handler takes everything
+    that arrived since it last looked at once (so a stream that fell behind sends one chunk for all of it).
+    One list and one future: lighter than an asyncio.Queue, and this runs per call per step."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        """On the event loop (post_all gets it there)."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self, timeout: float | None = None) -> list:
+        """What arrived, waiting for something if nothing has (an empty list after `timeout` seconds)."""
+        if not self._items:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout, _wake, waiter) if timeout is not None else None
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        items, self._items = self._items, []
+        return items
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 @dataclass
 class Call:
     """One request in flight, from the handler's side and the engine thread's."""
@@ -61,20 +100,21 @@ class Call:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     owner: str | None = None  # the salted hash of the API key that made it (None without keys)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: Mailbox = field(default_factory=Mailbox)
     seq: Sequence | None = None
     done: bool = False  # finished, failed or aborted (engine thread)
+    posted_tokens: int = 0  # output tokens its stream has been told of (engine thread)
     anatomy: dict | None = None  # its summary, once built (None also when there is none: aborted before its prefill)
     anatomy_built: bool = False  # set (before the "anatomy" event is posted) once the builder is done with it
 
     def post(self, event) -> None:
-        """From another thread: put an event on the handler's queue."""
+        """From another thread: put an event in the handler's mailbox."""
         post_all([(self, event)])
 
 
 def _deliver(items: list[tuple[Call, object]]) -> None:
     for call, event in items:
-        call.events.put_nowait(event)
+        call.events.put(event)
 
 
 def post_all(items: list[tuple[Call, object]]) -> None:
@@ -114,7 +154,13 @@ class OpenSteps:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, builder: AnatomyBuilder):
+    def __init__(self, engine: Engine, builder: AnatomyBuilder, stream_interval: int = 1):
+        """`stream_interval`: a stream hears of its first token at once, then of new tokens every this many (and
+        at its end); above 1, fewer chunks to write per step at large batches, in larger pieces (SGLang's
+        --stream-interval)."""
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval
         self.engine = engine
         self.builder = builder
         self.store, self.metrics = builder.store, builder.metrics
@@ -295,9 +341,11 @@ class EngineLoop:
             if seq.finish_reason == "error":
                 events.append((call, APIError(500, f"the engine failed on this request: {self.last_failure}",
                                               type="server_error")))
-            elif seq.finished or call.request.stream:  # a whole-answer call needs only its end
-                events.append((call, Progress(seq.text, len(seq.output_token_ids), seq.finish_reason,
-                                              seq.output_token_ids, seq.logprobs)))
+            elif seq.finished or (call.request.stream and (  # a whole-answer call needs only its end
+                    call.posted_tokens == 0 or len(seq.output_token_ids) - call.posted_tokens >= self.stream_interval)):
+                call.posted_tokens = len(seq.output_token_ids)
+                events.append((call, Progress(seq.text, call.posted_tokens, seq.finish_reason, seq.output_token_ids,
+                                              seq.logprobs)))
         self.failed_steps = self.failed_steps + 1 if seqs and errors == len(seqs) else 0
         post_all(events)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from json.encoder import encode_basestring  # json.dumps(str, ensure_ascii=False) without building an encoder
 
 from .protocol import Request
 
@@ -149,7 +150,7 @@ class TextChunks:
         self.middle, self.tail = rest.split(json.dumps(self.USAGE)) if self.continuous else (rest, "")
 
     def line(self, text: str, completion_tokens: int) -> str:
-        encoded = json.dumps(text, ensure_ascii=False)
+        encoded = encode_basestring(text)
         if not self.continuous:
             return self.head + encoded + self.middle
         return self.head + encoded + self.middle + usage_so_far(self.prompt_tokens, completion_tokens) + self.tail
