@@ -143,7 +143,8 @@ class OpenSteps:
     def on_launched(self, step): pass
 
     def on_step(self, step):
-        self.open.pop(step.index, None)
+        for index in [i for i in self.open if i <= step.index]:  # steps complete in order: older ones are over
+            del self.open[index]
 
     def on_finish(self, seq, t_ns): pass
 
