@@ -4,6 +4,7 @@ for, drops the oldest unbuilt past its backlog (their metrics still counted), an
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from llm_anatomy.engine.engine import GenerationResult
@@ -103,3 +104,11 @@ def test_many_values_histogram_exports_what_prometheus_client_would():
         one_by_one.labels("m").observe(v)
     expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
     assert generate_latest(ours).decode().splitlines() == expected
+
+
+def test_the_builders_budget_is_a_fraction(tmp_path):
+    store = AnatomyStore(tmp_path)
+    for duty in (0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="duty"):
+            AnatomyBuilder(Engine(), CEILINGS, store, Metrics("m", Engine()), None, "", "", duty=duty)
+    store.close()
