@@ -448,3 +448,15 @@ def test_stream_interval_sends_fewer_larger_chunks(checkpoint, tmp_path):
         running.stop()
     with pytest.raises(ValueError, match="stream_interval"):
         Running(engine, tmp_path, stream_interval=0)
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["step-by-step", "lookahead"])
+def test_min_tokens_through_the_python_api(checkpoint, lookahead):
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256,
+                                    lookahead=lookahead)
+    forced = dict(prompt_token_ids=[5, 6, 7], max_tokens=12, temperature=0, logit_bias=((1234, 100.0),),
+                  stop_token_ids=(1234,))
+    assert engine.generate(**forced).output_token_ids == [1234]
+    held = engine.generate(**forced, min_tokens=5)
+    assert len(held.output_token_ids) == 6 and held.output_token_ids[-1] == 1234
+    assert 1234 not in held.output_token_ids[:5] and held.finish_reason == "stop"
