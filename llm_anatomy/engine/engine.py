@@ -424,7 +424,7 @@ class Engine:
         logits = self.runner.run(pending.batch, ahead_tokens)
         if sampled:
             pending.tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled],
-                                          [s.output_counts for s in sampled])
+                                          [s.output_counts for s in sampled], self._banned(sampled))
         top = max((s.params.logprobs for s in sampled if s.params.logprobs is not None), default=None)
         if top is not None:  # only when a request asked: log-softmax and top-k over the vocabulary
             parts = logprobs_of(logits, pending.tokens, top)
@@ -442,6 +442,13 @@ class Engine:
             o.on_launched(step)
         return pending
 
+    def _banned(self, seqs: list[Sequence]) -> list[tuple[int, ...]] | None:
+        """Per sequence, the ids it cannot draw yet: its EOS and stop ids while short of min_tokens."""
+        if not any(s.params.min_tokens for s in seqs):
+            return None
+        return [(tuple(s.params.stop_token_ids) + (() if s.params.ignore_eos else self.defaults.eos_token_ids))
+                if len(s.output_token_ids) < s.params.min_tokens else () for s in seqs]
+
     def _can_run_ahead(self, p: "_Pending") -> bool:
         """Only when the next step is certain to be a decode of exactly these sequences (nothing waiting to be
         admitted, nobody about to hit a length limit) and its cache blocks can be held now."""
@@ -450,6 +457,7 @@ class Engine:
             return False
         for s in seqs:  # the host is one step behind p: p's tokens will make it num_tokens + 1
             if s.output_counts is not None or len(s.output_token_ids) + 1 >= s.params.max_tokens or \
+                    len(s.output_token_ids) < s.params.min_tokens or \
                     s.num_tokens + 1 >= self.max_model_len:
                 return False
         return all(s.block_table.ensure(s.num_tokens + 1) for s in seqs)
@@ -510,7 +518,7 @@ class Engine:
             return
         before = len(seq.text)
         seq.text += seq.detokenizer.add(token)
-        if params.stop and self._cut_at_stop(seq, before):
+        if params.stop and len(seq.output_token_ids) >= params.min_tokens and self._cut_at_stop(seq, before):
             self._finish(seq, "stop")
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.text += seq.detokenizer.flush()

@@ -16,11 +16,21 @@ from ..errors import RequestError
 
 
 MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
+# Bounds on every value a request can set. A value past them would either overflow what the device or torch
+# accepts (a seed outside int64 makes manual_seed raise, a top_k past int64 cannot become a tensor) or cost the
+# whole batch host time (thousands of stop strings checked after every token).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as vLLM treats it): dividing by it overflows float32
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be drawn, nor stop strings end the text, before this many
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) means no top-k
@@ -46,37 +56,49 @@ class SamplingParams:
                 bad(param, f"must be a finite number, got {value!r}")
             return value
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        def integer(value, low: int, high: int) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+        if not integer(self.max_tokens, 1, INT32_MAX):
+            bad("max_tokens", f"must be an integer >= 1 (at most {INT32_MAX}), got {self.max_tokens!r}")
+        if not integer(self.min_tokens, 0, self.max_tokens):
+            bad("min_tokens", f"must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         if number("temperature") < 0:
             bad("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < number("top_p") <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", f"must be an integer >= 1, or 0 / -1 to disable, got {self.top_k!r}")
+        if not integer(self.top_k, -1, INT32_MAX):
+            bad("top_k", f"must be an integer >= 1 (at most {INT32_MAX}), or 0 / -1 to disable, got {self.top_k!r}")
         if not 0 <= number("min_p") <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for p in ("presence_penalty", "frequency_penalty"):
             if not -2 <= number(p) <= 2:
                 bad(p, f"must be in [-2, 2], got {getattr(self, p)}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad("seed", f"must be an integer, got {self.seed!r}")
-        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.seed is not None and not integer(self.seed, INT64_MIN, INT64_MAX):
+            bad("seed", f"must be an integer in {INT64_MIN}..{INT64_MAX} (signed 64-bit), got {self.seed!r}")
+        if isinstance(self.stop, str) or not isinstance(self.stop, (tuple, list)) or not all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            bad("stop", f"must be a list of non-empty strings of at most {MAX_STOP_CHARS} characters")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(integer(t, 0, INT32_MAX) for t in ids):
+            bad("stop_token_ids", "must be a list of non-negative integers (token ids)")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for pair in self.logit_bias:
-            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
-                    and not isinstance(pair[0], bool) and pair[0] >= 0 and isinstance(pair[1], (int, float))
-                    and not isinstance(pair[1], bool) and -100 <= pair[1] <= 100):
+            if not (isinstance(pair, tuple) and len(pair) == 2 and integer(pair[0], 0, INT32_MAX)
+                    and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool) and -100 <= pair[1] <= 100):
                 bad("logit_bias", f"must map token ids (>= 0) to biases in [-100, 100], got {pair!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (top alternatives per token), got {self.logprobs!r}")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            bad("logit_bias", "names a token id more than once")
+        if self.logprobs is not None and not integer(self.logprobs, 0, MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (top alternatives per token), "
+                            f"got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def plain_greedy(self) -> bool:
@@ -86,6 +108,12 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def seed_for_choice(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request asking for several (seed + index), wrapped to stay a signed 64-bit
+    integer (a seed at the top of the range plus an index would otherwise leave it)."""
+    return (seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
 @dataclass
@@ -166,8 +194,12 @@ class Sampler:
         return tuple(out)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None], output_counts: list[torch.Tensor | None]) -> torch.Tensor:
-        """logits: [rows, vocab] float32 -> next token ids [rows] (int64, on the device)."""
+                 generators: list[torch.Generator | None], output_counts: list[torch.Tensor | None],
+                 banned: list[tuple[int, ...]] | None = None) -> torch.Tensor:
+        """logits: [rows, vocab] float32 -> next token ids [rows] (int64, on the device). `banned`: per row, token
+        ids that cannot be drawn this step (a row short of its min_tokens: its EOS and stop ids)."""
+        if banned is not None and any(banned):
+            logits = self._ban(logits, banned)
         if all(p.plain_greedy for p in params):
             return logits.argmax(dim=-1)
         r = self._rows(params)
@@ -193,6 +225,17 @@ class Sampler:
                 logits = logits.masked_fill(logits < threshold, float("-inf"))
             sampled = self._draw(self._filter(logits.softmax(dim=-1), r, is_sorted=False), generators)
         return torch.where(r.greedy, greedy_tokens, sampled)
+
+    def _ban(self, logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
+        """-inf at the banned (row, token) pairs: a few entries, copied without a sync."""
+        pairs = [(row, token) for row, tokens in enumerate(banned) for token in tokens if token < logits.shape[-1]]
+        if not pairs:
+            return logits
+        index = torch.tensor(pairs, dtype=torch.int64).T
+        if self.device.type == "cuda":
+            index = index.pin_memory()  # the host allocator keeps the block until the copy has run
+        index = index.to(self.device, non_blocking=True)
+        return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
 
     @staticmethod
     def _filter(probs: torch.Tensor, r: _RowParams, is_sorted: bool) -> torch.Tensor:

@@ -1,18 +1,32 @@
-"""GET /metrics: Prometheus metrics under vLLM's names, with the prefix llm_anatomy: instead of vllm:.
+"""GET /metrics: Prometheus metrics under vLLM's names, with the prefix llm_anatomy:, and the same series again
+under vLLM's own prefix (vllm:) so that dashboards and load generators built for vLLM read them unchanged.
 
-Latency histograms and token counters are fed from each finished call's Anatomy (one source of truth for
-the numbers a call reports and the numbers the server exports); gauges (running and waiting requests, KV
-cache usage, GPU power and energy) are read when scraped.
+Latency histograms and token counters are fed from each finished call's trace as it finishes, with the same
+instants its Anatomy reports (so /metrics and the anatomies agree, even when a busy server builds the
+anatomy later); energy is counted once the anatomy is built. Gauges (running and waiting requests, KV cache
+usage, GPU power and energy) are read when scraped.
 """
 
 from __future__ import annotations
 
+import threading
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from ..anatomy import Anatomy
+from ..probe.call import Marks
+from ..probe.recorder import RequestTrace
 
 PREFIX = "llm_anatomy:"
+VLLM_PREFIX = "vllm:"
+# the series that vLLM exports under the same names (ours alone, such as energy, keep only our prefix)
+VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
+              "generation_tokens", "request_success", "num_preemptions", "time_to_first_token_seconds",
+              "time_per_output_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "request_prefill_time_seconds")
 # vLLM's buckets (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -56,6 +70,53 @@ class _Live:
             yield c
 
 
+class _ManyHistogram:
+    """A histogram fed many values at once (a request's gaps between tokens: one per token) under one lock;
+    prometheus_client's Histogram takes a lock per value, which at thousands of tokens a second costs the
+    interpreter time the engine thread needs."""
+
+    def __init__(self, name: str, documentation: str, model: str, buckets: tuple[float, ...]):
+        self.name, self.documentation, self.model = name, documentation, model
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound
+        self.total = 0.0
+        self.lock = threading.Lock()
+
+    def observe_many(self, values: list[float]) -> None:
+        slots = [bisect_left(self.bounds, v) for v in values]  # the first bucket whose bound is >= v
+        with self.lock:
+            for i in slots:
+                self.counts[i] += 1
+            self.total += sum(values)
+
+    def collect(self):
+        with self.lock:
+            counts, total = list(self.counts), self.total
+        cumulative, running = [], 0
+        for bound, n in zip(self.bounds + [float("inf")], counts):
+            running += n
+            cumulative.append((floatToGoString(bound), running))
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        family.add_metric([self.model], cumulative, sum_value=total)
+        yield family
+
+
+class _VllmNames:
+    """The registry's vLLM-named series again, under the vllm: prefix."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+        self.names = {PREFIX + n for n in VLLM_NAMES}
+
+    def collect(self):
+        for family in self.source.collect():
+            if family.name not in self.names:
+                continue
+            renamed = Metric(VLLM_PREFIX + family.name[len(PREFIX):], family.documentation, family.type, family.unit)
+            renamed.samples = [s._replace(name=VLLM_PREFIX + s.name[len(PREFIX):]) for s in family.samples]
+            yield renamed
+
+
 class Metrics:
     def __init__(self, model: str, engine, telemetry=None):
         disable_created_metrics()  # no *_created series (vLLM exports none either)
@@ -66,8 +127,9 @@ class Metrics:
                               "first token on the host).", m, buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token after the first, "
                               "per request.", m, buckets=TPOT_BUCKETS, registry=r)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gaps between consecutive output tokens.", m,
-                             buckets=TPOT_BUCKETS, registry=r)
+        self.itl = _ManyHistogram(PREFIX + "inter_token_latency_seconds", "Gaps between consecutive output tokens.",
+                                  model, TPOT_BUCKETS)
+        r.register(self.itl)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, received to last token.", m,
                              buckets=REQUEST_BUCKETS, registry=r)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time queued before the first step.", m,
@@ -86,29 +148,36 @@ class Metrics:
         self.anatomy_build = Histogram(PREFIX + "anatomy_build_seconds", "Time to build a finished call's anatomy "
                                        "(off the engine thread; includes waiting for the energy counter's next "
                                        "update).", m, buckets=TPOT_BUCKETS, registry=r)
+        self.anatomies_dropped = Counter(PREFIX + "anatomies_dropped", "Anatomies not built: the server was too busy "
+                                         "to build them before newer ones pushed them out.", m, registry=r)
         self.live = _Live(model, engine, telemetry)
         r.register(self.live)
-        for family in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+        self.vllm_registry = CollectorRegistry()
+        self.vllm_registry.register(_VllmNames(r))
+        for family in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.anatomies_dropped):
             family.labels(model)  # exported at 0 from the start
 
-    def observe(self, a: Anatomy) -> None:
-        """A finished call's anatomy: its latencies."""
-        m = self.model
-        self.ttft.labels(m).observe(a.ttft_ms / 1e3)
-        if a.tpot_ms is not None:
-            self.tpot.labels(m).observe(a.tpot_ms / 1e3)
-        itl = self.itl.labels(m)
-        for gap in a.itl_ms:
-            itl.observe(gap / 1e3)
-        self.e2e.labels(m).observe(a.e2e_ms / 1e3)
-        if a.batching is not None:
-            self.queue.labels(m).observe(a.batching.queue_ms / 1e3)
-            self.preemptions.labels(m).inc(a.batching.preemptions)
-        self.prefill.labels(m).observe(a.prefill.ms / 1e3)
+    def observe_trace(self, trace: RequestTrace, marks: Marks, output_tokens: int) -> None:
+        """A finished call's latencies, from its trace: the instants build_anatomy reads (ttft_ms, itl_ms,
+        tpot_ms, e2e_ms, batching.queue_ms, prefill.ms)."""
+        m, clock = self.model, trace.clock
+        token_ms = [clock.ms(r.step.t_end_ns) for r in trace.steps]
+        self.ttft.labels(m).observe(token_ms[0] / 1e3)
+        if output_tokens > 1:
+            self.tpot.labels(m).observe((token_ms[-1] - token_ms[0]) / (output_tokens - 1) / 1e3)
+        self.itl.observe_many([(b - a) / 1e3 for a, b in zip(token_ms, token_ms[1:])])
+        self.e2e.labels(m).observe(clock.ms(marks.end) / 1e3)
+        self.queue.labels(m).observe((clock.ms(trace.steps[0].step.t_start_ns) - clock.ms(marks.queue)) / 1e3)
+        self.prefill.labels(m).observe(sum(trace.device_ms(r) for r in trace.chunks + trace.steps[:1]) / 1e3)
+        if trace.seq is not None and trace.seq.num_preemptions:
+            self.preemptions.labels(m).inc(trace.seq.num_preemptions)
+
+    def observe_energy(self, a: Anatomy) -> None:
+        """A built anatomy: its energy (the device's, or its share of it when batched)."""
         energy = {e.phase: e for e in a.telemetry.energy}
         call = energy.get("call_attributed") or energy.get("call")
         if call is not None and call.joules > 0:
-            self.energy.labels(m).inc(call.joules)
+            self.energy.labels(self.model).inc(call.joules)
 
     def finished(self, reason: str, prompt_tokens: int, output_tokens: int) -> None:
         """Every finished call (with or without an anatomy): its tokens and how it ended."""
@@ -117,5 +186,5 @@ class Metrics:
         self.success.labels(self.model, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry)
 

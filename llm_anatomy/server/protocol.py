@@ -1,82 +1,90 @@
-"""The OpenAI API as this server speaks it: request bodies (validated), responses and errors.
+"""The OpenAI API as this server reads it: request bodies, parsed, type- and range-checked before any work.
 
-Every field the API defines is either honoured or refused with an error that says so; unknown fields are
-refused too (OpenAI does the same), so nothing a client sends is silently ignored. Extensions use vLLM's
-names (top_k, min_p, ignore_eos, stop_token_ids, skip_special_tokens, chat_template_kwargs) plus `anatomy`:
-true puts the call's anatomy summary in the response. docs/server.md lists them.
+- A field the API defines is honoured, or refused with a 400 that says so (`param` names it).
+- Every number is range-checked here (and again by SamplingParams): a value no engine should see never
+  reaches it.
+- vLLM's extensions are honoured where this engine can (top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
+  skip_special_tokens, chat_template_kwargs, stream_options.continuous_usage_stats); those it cannot honour
+  are accepted at their no-op values (repetition_penalty 1, use_beam_search false, ...) and refused otherwise.
+- Any other field is accepted and ignored, as vLLM does: the server logs its name (once) and the call's
+  anatomy lists it (`request.ignored_fields`).
+- `anatomy: true` puts the call's anatomy summary in the response.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engine.sampling import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from ..errors import RequestError
+from .errors import APIError
+
+MAX_N = 16  # choices per request
+MAX_STOP = 4  # the OpenAI API's limit on stop sequences
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+MAX_DEPTH = 64  # JSON nesting a body may have (tool schemas are the deepest real bodies, about ten levels)
+TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key (ASCII digits only: int() also takes '²' and '١')
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
-class APIError(Exception):
-    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk; needs include_usage
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Body):
     type: str
 
 
-class ChatTemplateKwargs(_Strict):
+class ChatTemplateKwargs(_Body):
     enable_thinking: bool = True
 
 
-class _Sampling(_Strict):
+class _Sampling(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
-    model: str
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    max_tokens: int | None = None
-    n: int | None = None
-    seed: int | None = None
+    model: Annotated[str, Field(max_length=1024)]
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    max_tokens: TokenCount | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     user: str | None = None
-    # extensions (vLLM's names)
-    top_k: int | None = None
-    min_p: float | None = None
+    # vLLM's extensions
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
+    # ours
     anatomy: bool = False  # put the anatomy summary in the response (in the last chunk of a stream)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Any]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
@@ -96,39 +104,75 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: str | None = None
+
+
+# vLLM's extensions this engine does not implement: accepted at the value that changes nothing, else refused.
+NO_OP_EXTENSIONS = {
+    "repetition_penalty": 1, "length_penalty": 1, "use_beam_search": False, "include_stop_str_in_output": False,
+    "spaces_between_special_tokens": True, "return_tokens_as_token_ids": False, "prompt_logprobs": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "structured_outputs": None, "logits_processors": None, "bad_words": None,
+    "allowed_token_ids": None, "truncate_prompt_tokens": None, "chat_template": None, "documents": None,
+    "add_generation_prompt": True, "continue_final_message": False,
+}
 
 
 def _refuse(param: str, why: str) -> None:
     raise APIError(400, f"{param} {why}", param=param, code="unsupported_parameter")
 
 
+def _too_deep(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_body(raw: bytes, kind: type[_Sampling]) -> _Sampling:
-    """Bytes -> a validated request, or an APIError: 400 for JSON that does not parse, 422 for a body whose
-    fields have the wrong types, are missing or are unknown."""
+    """Bytes -> a validated request, or an APIError (400) naming what to fix."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(raw, parse_constant=_not_json)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested too deeply (at most {MAX_DEPTH} levels)",
+                       code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object",
                        code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    if _too_deep(data, MAX_DEPTH):
+        raise APIError(400, f"the request body is nested too deeply (at most {MAX_DEPTH} levels)", code="invalid_json")
     try:
         return kind.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"
         param = str(err["loc"][0]) if err["loc"] else None
-        if err["type"] == "extra_forbidden":
-            message = f"unrecognized request argument supplied: {where}"
-        elif err["type"] == "missing":
-            message = f"{where} is required"
+        if err["type"] == "missing":
+            message, code = f"{where} is required", "missing_required_parameter"
         else:
-            message = f"{where}: {err['msg'].lower()} (got {json.dumps(err.get('input'))[:80]})"
-        raise APIError(422, message, param=param, code="invalid_type" if err["type"] != "missing" else "missing")
+            got = json.dumps(err.get("input"), default=str)
+            message = f"{where}: {err['msg'].lower()} (got {got[:80]}{'...' if len(got) > 80 else ''})"
+            code = "invalid_value" if err["type"] in _RANGE_ERRORS else "invalid_type"
+        raise APIError(400, message, param=param, code=code) from None
+
+
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number",
+                 "too_long", "too_short", "string_too_long"}
 
 
 @dataclass
@@ -152,6 +196,7 @@ class Request:
     n: int = 1  # choices: each its own sequence (and its own anatomy); with a seed, choice i uses seed + i
     parallel_tool_calls: bool = True  # false: at most one tool call per answer (the first the model wrote)
     user: str | None = None
+    continuous_usage: bool = False  # usage so far in every chunk of a stream (vLLM's continuous_usage_stats)
     shown: dict = field(default_factory=dict)  # the request as recorded in its anatomy
     fingerprint: str | None = None  # the response's system_fingerprint: this server and its weights' kind
 
@@ -160,40 +205,72 @@ class Request:
         return self.kind == "chat"
 
 
-MAX_N = 16
+def _is_no_op(value: Any, no_op: Any) -> bool:
+    if no_op is None:
+        return value is None or (isinstance(value, (list, dict, str)) and not value)
+    if isinstance(no_op, bool):
+        return value is no_op
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == no_op
+
+
+def _extensions(body: _Sampling) -> list[str]:
+    """Check the fields the API does not define: vLLM's unimplemented ones must be no-ops; the names of the
+    others (ignored) are returned."""
+    ignored = []
+    for name, value in (body.model_extra or {}).items():
+        if name in NO_OP_EXTENSIONS:
+            if not _is_no_op(value, NO_OP_EXTENSIONS[name]):
+                _refuse(name, f"is not supported by this server (a vLLM extension); only "
+                              f"{json.dumps(NO_OP_EXTENSIONS[name])} (no effect) is accepted")
+        else:
+            ignored.append(name)
+    for part in (body.stream_options, getattr(body, "chat_template_kwargs", None)):
+        if part is not None and part.model_extra:
+            ignored += [f"{'stream_options' if part is body.stream_options else 'chat_template_kwargs'}.{k}"
+                        for k in part.model_extra]
+    return [name if len(name) <= 64 else name[:61] + "..." for name in ignored]
 
 
 def _common(body: _Sampling) -> dict:
-    if body.n is not None and not 1 <= body.n <= MAX_N:
-        raise APIError(400, f"n must be in 1..{MAX_N}, got {body.n}", param="n")
     bias = []
     for key, value in (body.logit_bias or {}).items():
-        if not key.isdigit():
-            raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+        if not TOKEN_ID.fullmatch(key):
+            raise APIError(400, f"logit_bias keys are token ids (digits), got {key[:40]!r}", param="logit_bias",
+                           code="invalid_value")
         bias.append((int(key), float(value)))
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    if stop is not None and len(stop) > 4:  # the API's limit
-        raise APIError(400, f"stop takes at most 4 sequences, got {len(stop)}", param="stop")
+    if stop is not None and len(stop) > MAX_STOP:  # the API's limit
+        raise APIError(400, f"stop takes at most {MAX_STOP} sequences, got {len(stop)}", param="stop")
     return dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                 seed=body.seed, stop=tuple(stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, logit_bias=tuple(sorted(bias)))
+                ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens,
+                logit_bias=tuple(sorted(bias)))
 
 
-def chat_request(body: ChatCompletionRequest) -> Request:
-    sampling = _common(body)
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if not 0 <= body.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be in 0..20, got {body.top_logprobs}", param="top_logprobs")
-    sampling["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+def _streaming(body: _Sampling) -> dict:
+    options = body.stream_options
+    usage = bool(options and options.include_usage)
+    return dict(stream=bool(body.stream), include_usage=usage,
+                continuous_usage=usage and bool(options and options.continuous_usage_stats))
+
+
+def _shown(body: _Sampling, exclude: set[str], ignored: list[str]) -> dict:
+    shown = body.model_dump(exclude_none=True, exclude=exclude | set(body.model_extra or ()))
+    if ignored:
+        shown["ignored_fields"] = ignored
+    return shown
+
+
+def _check_chat_fields(body: ChatCompletionRequest) -> None:
     for name in ("audio", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort",
-                 "service_tier", "metadata"):
+                 "metadata"):
         if getattr(body, name) is not None:
             _refuse(name, "is not supported by this server")
+    if body.service_tier not in (None, "auto", "default"):
+        _refuse("service_tier", "may be \"auto\" or \"default\": this server has one tier")
     if body.store:
         _refuse("store", "is not supported: this server keeps anatomies, not completions")
     if body.modalities not in (None, ["text"]):
@@ -203,16 +280,24 @@ def chat_request(body: ChatCompletionRequest) -> Request:
                                    f"only \"text\"")
     if body.tool_choice not in (None, "auto", "none"):
         _refuse("tool_choice", "may be \"auto\" or \"none\": forcing a tool call needs guided decoding")
-    if body.tools is not None:
-        for i, tool in enumerate(body.tools):
-            if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict)
-                    and isinstance(tool["function"].get("name"), str)):
-                raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                               param="tools")
+    for i, tool in enumerate(body.tools or ()):
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict)
+                and isinstance(tool["function"].get("name"), str)):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           param="tools")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise APIError(400, "max_tokens and max_completion_tokens disagree; send one of them",
                        param="max_completion_tokens")
+
+
+def chat_request(body: ChatCompletionRequest) -> Request:
+    ignored = _extensions(body)
+    sampling = _common(body)
+    _check_chat_fields(body)
+    sampling["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     from ..tokenizer import validate_messages
 
@@ -222,23 +307,19 @@ def chat_request(body: ChatCompletionRequest) -> Request:
         raise APIError(400, str(e), param="messages") from None
     thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else True
     tools = body.tools if body.tools and body.tool_choice != "none" else None
-    shown = body.model_dump(exclude_none=True, exclude={"messages", "model"})
     return Request("chat", body.model, messages, None, None, {**sampling, "max_tokens": max_tokens},
-                   max_tokens is not None, thinking, tools, tools is not None, bool(body.stream),
-                   bool(body.stream_options and body.stream_options.include_usage), body.anatomy,
+                   max_tokens is not None, thinking, tools, tools is not None, want_anatomy=body.anatomy,
                    n=body.n or 1, parallel_tool_calls=body.parallel_tool_calls is not False, user=body.user,
-                   shown={"messages": messages, **shown})
+                   shown={"messages": messages, **_shown(body, {"messages", "model"}, ignored)}, **_streaming(body))
 
 
 def completion_request(body: CompletionRequest) -> Request:
+    ignored = _extensions(body)
     sampling = _common(body)
     if body.best_of not in (None, body.n or 1):
         _refuse("best_of", "must equal n: choices are not ranked")
-    if body.logprobs is not None:
-        if not 0 <= body.logprobs <= 5:
-            raise APIError(400, f"logprobs must be in 0..5 for completions, got {body.logprobs}", param="logprobs")
-        if body.echo:
-            _refuse("logprobs", "with echo is not supported (the prompt's own logprobs are not computed)")
+    if body.logprobs is not None and body.echo:
+        _refuse("logprobs", "with echo is not supported (the prompt's own logprobs are not computed)")
     sampling["logprobs"] = body.logprobs
     if body.suffix is not None:
         _refuse("suffix", "is not supported (Qwen3 has no fill-in-the-middle mode)")
@@ -252,122 +333,7 @@ def completion_request(body: CompletionRequest) -> Request:
         ids, prompt = prompt, None
     if (prompt is not None and not prompt) or (ids is not None and not ids):
         raise APIError(400, "prompt is empty", param="prompt")
-    shown = body.model_dump(exclude_none=True, exclude={"model"})
     return Request("completion", body.model, None, prompt, ids,
                    {**sampling, "max_tokens": body.max_tokens if body.max_tokens is not None else 16},
-                   True, True, None, False, bool(body.stream),
-                   bool(body.stream_options and body.stream_options.include_usage), body.anatomy,
-                   echo=body.echo, n=body.n or 1, user=body.user, shown=shown)
-
-
-# ---- tool calls (Qwen3 writes them as Hermes-style <tool_call>{json}</tool_call> blocks) ----------------------------
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def split_tool_calls(text: str, request_id: str, most: int | None = None) -> tuple[str | None, list[dict]]:
-    """(content without the tool-call blocks, the calls as OpenAI tool_calls, at most `most` of them). A block
-    whose JSON does not parse, or lacks a name, stays in the content: the client sees what the model wrote."""
-    calls, kept, last = [], [], 0
-    for m in TOOL_CALL.finditer(text):
-        if most is not None and len(calls) >= most:
-            break
-        try:
-            call = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        arguments = call.get("arguments", {})
-        kept.append(text[last:m.start()])
-        last = m.end()
-        calls.append({"id": f"call_{request_id}_{len(calls)}", "type": "function",
-                      "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, str)
-                                   else json.dumps(arguments, ensure_ascii=False)}})
-    kept.append(text[last:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None) if calls else content, calls
-
-
-# ---- logprobs ----------------------------------------------------------------------------------------------------
-def _entry(tokenizer, token: int, logprob: float) -> dict:
-    return {"token": tokenizer.token_text(token), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token))}
-
-
-def chat_logprobs(tokenizer, tokens: list[int], entries: list) -> dict:
-    """The chat API's logprobs object for these output tokens and their (logprob, top) entries."""
-    return {"content": [{**_entry(tokenizer, t, lp), "top_logprobs": [_entry(tokenizer, i, v) for i, v in top]}
-                        for t, (lp, top) in zip(tokens, entries)], "refusal": None}
-
-
-def completion_logprobs(tokenizer, tokens: list[int], entries: list, offset: int = 0) -> dict:
-    """The legacy completions API's logprobs object; `offset` is where these tokens' text starts."""
-    texts = [tokenizer.token_text(t) for t in tokens]
-    offsets = []
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{tokenizer.token_text(i): v for i, v in top} for _, top in entries],
-            "text_offset": offsets}
-
-
-def logprobs_body(req: "Request", tokenizer, tokens: list[int], entries: list, offset: int = 0) -> dict:
-    if req.chat:
-        return chat_logprobs(tokenizer, tokens, entries)
-    return completion_logprobs(tokenizer, tokens, entries, offset)
-
-
-# ---- responses ----------------------------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def response_id(req: Request, request_id: str) -> str:
-    return f"{'chatcmpl' if req.chat else 'cmpl'}-{request_id}"
-
-
-def completion_body(req: Request, request_id: str, created: int, text: str, finish_reason: str,
-                    prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
-    if req.chat:
-        content, calls = split_tool_calls(text, request_id, None if req.parallel_tool_calls else 1) \
-            if req.parse_tool_calls else (text, [])
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-            finish_reason = "tool_calls"
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"id": response_id(req, request_id), "object": "chat.completion" if req.chat else "text_completion",
-            "created": created, "model": req.model, "choices": [choice], "system_fingerprint": req.fingerprint,
-            "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def chunk(req: Request, request_id: str, created: int, *, text: str | None = None, role: bool = False,
-          tool_calls: list[dict] | None = None, finish_reason: str | None = None, usage_: dict | None = None,
-          no_choices: bool = False, logprobs: dict | None = None, index: int = 0) -> dict:
-    """One SSE chunk as OpenAI sends it."""
-    body = {"id": response_id(req, request_id), "object": "chat.completion.chunk" if req.chat else "text_completion",
-            "created": created, "model": req.model, "system_fingerprint": req.fingerprint}
-    if no_choices:
-        body["choices"] = []
-    elif req.chat:
-        delta: dict = {}
-        if role:
-            delta["role"] = "assistant"
-            delta["content"] = ""
-        if text:
-            delta["content"] = text
-        if tool_calls:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
-        body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
-    else:
-        body["choices"] = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
-    if usage_ is not None or (req.include_usage and not no_choices):
-        body["usage"] = usage_  # null on every chunk but the last when include_usage is on
-    return body
-
-
-def now_s() -> int:
-    return int(time.time())
+                   True, True, None, False, want_anatomy=body.anatomy, echo=body.echo, n=body.n or 1,
+                   user=body.user, shown=_shown(body, {"model"}, ignored), **_streaming(body))

@@ -3,6 +3,10 @@
 The file is appended to as calls finish and read back at start, so a restart keeps earlier anatomies. When
 it holds a quarter more than `keep` lines it is rewritten with the newest `keep` (atomically: a new file,
 then a rename). An id whose anatomy is still being built can be waited for.
+
+A record made with an API key carries its owner (the key's salted hash, never the key) in a wrapper,
+`{"id": ..., "owner": ..., "anatomy": {...}}`; one made without a key is the bare anatomy. Either way `get`
+returns the anatomy's own JSON, sliced from the line without parsing it.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ class AnatomyStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "anatomies.jsonl"
         self.keep = keep
-        self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # id -> (offset, length), oldest first
-        self._pending: set[str] = set()
+        # id -> (offset, length) of its anatomy's JSON in the file, and its owner; oldest first
+        self._index: OrderedDict[str, tuple[int, int, str | None]] = OrderedDict()
+        self._pending: dict[str, str | None] = {}  # ids being built -> their owners
         self._lock = threading.Condition()
         self._lines = 0
         self._load()
@@ -43,10 +48,16 @@ class AnatomyStore:
             for line in f:
                 torn = not line.endswith(b"\n")
                 try:
-                    anatomy_id = json.loads(line)["id"]
-                    self._index[anatomy_id] = (offset, len(line))
+                    record = json.loads(line)
+                    anatomy_id, wrapped = record["id"], "anatomy" in record
+                    owner = record["owner"] if wrapped else None
+                    head = _wrapper_head(anatomy_id, owner) if wrapped else b""
+                    if not line.startswith(head):
+                        raise ValueError("not a record this store wrote")
+                    tail = len(line) - len(line.rstrip(b"\n")) + (1 if wrapped else 0)  # newline, wrapper's brace
+                    self._index[anatomy_id] = (offset + len(head), len(line) - len(head) - tail, owner)
                     self._index.move_to_end(anatomy_id)
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, AttributeError):
                     bad += 1  # a line cut short by a crash: skipped, dropped at the next compaction
                 offset += len(line)
                 self._lines += 1
@@ -61,33 +72,45 @@ class AnatomyStore:
     def __len__(self) -> int:
         return len(self._index)
 
-    def ids(self) -> list[str]:
+    def ids(self, owner: str | None = None) -> list[str]:
+        """Ids, oldest first: all of them, or those whose owner is `owner` when one is given."""
         with self._lock:
-            return list(self._index)
+            return [i for i, (_, _, o) in self._index.items() if owner is None or o == owner]
 
-    def expect(self, anatomy_id: str) -> None:
+    def owner_of(self, anatomy_id: str) -> tuple[bool, str | None]:
+        """(whether the id is stored or being built, its owner)."""
+        with self._lock:
+            if anatomy_id in self._index:
+                return True, self._index[anatomy_id][2]
+            if anatomy_id in self._pending:
+                return True, self._pending[anatomy_id]
+            return False, None
+
+    def expect(self, anatomy_id: str, owner: str | None = None) -> None:
         """An anatomy for this id is being built: `get` waits for it rather than saying it does not exist."""
         with self._lock:
-            self._pending.add(anatomy_id)
+            self._pending[anatomy_id] = owner
 
     def give_up(self, anatomy_id: str) -> None:
         with self._lock:
-            self._pending.discard(anatomy_id)
+            self._pending.pop(anatomy_id, None)
             self._lock.notify_all()
 
-    def add(self, anatomy: Anatomy) -> None:
-        line = (anatomy.to_json() + "\n").encode()
+    def add(self, anatomy: Anatomy, owner: str | None = None) -> None:
+        body = anatomy.to_json().encode()
+        head = _wrapper_head(anatomy.id, owner) if owner is not None else b""
+        line = head + body + (_WRAPPER_TAIL if owner is not None else b"\n")
         with self._lock:
             offset = self._file.seek(0, os.SEEK_END)
             self._file.write(line)
             self._file.flush()
-            self._index[anatomy.id] = (offset, len(line))
+            self._index[anatomy.id] = (offset + len(head), len(body), owner)
             self._lines += 1
             while len(self._index) > self.keep:
                 self._index.popitem(last=False)
             if self._lines > self.keep + max(1, self.keep // 4):
                 self._compact()
-            self._pending.discard(anatomy.id)
+            self._pending.pop(anatomy.id, None)
             self._lock.notify_all()
 
     def _compact(self) -> None:
@@ -95,10 +118,11 @@ class AnatomyStore:
         tmp = self.path.with_suffix(".jsonl.tmp")
         index = OrderedDict()
         with open(self.path, "rb") as src, open(tmp, "wb") as dst:
-            for anatomy_id, (offset, length) in self._index.items():
+            for anatomy_id, (offset, length, owner) in self._index.items():
                 src.seek(offset)
-                index[anatomy_id] = (dst.tell(), length)
-                dst.write(src.read(length))
+                head = _wrapper_head(anatomy_id, owner) if owner is not None else b""
+                index[anatomy_id] = (dst.tell() + len(head), length, owner)
+                dst.write(head + src.read(length) + (_WRAPPER_TAIL if owner is not None else b"\n"))
             dst.flush()
             os.fsync(dst.fileno())
         self._file.close()
@@ -125,3 +149,10 @@ class AnatomyStore:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+_WRAPPER_TAIL = b"}\n"
+
+
+def _wrapper_head(anatomy_id: str, owner: str | None) -> bytes:
+    return f'{{"id": {json.dumps(anatomy_id)}, "owner": {json.dumps(owner)}, "anatomy": '.encode()

@@ -1,0 +1,262 @@
+"""POST /v1/chat/completions and POST /v1/completions: one call per choice on the engine loop, answered whole
+or streamed as server-sent events. Every response carries `x-anatomy-id`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .auth import OWNER
+from .context import ServerContext
+from .errors import APIError, error_response, unavailable
+from .loop import Call, Progress
+from .protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request, parse_body
+from .responses import (TextChunks, before_tool_call, chunk, completion_body, logprobs_body, now_s, split_tool_calls,
+                        sse, usage)
+
+
+def routes(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await completion(ctx, request, chat=True)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        return await completion(ctx, request, chat=False)
+
+    return router
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing it once past the limit (a chunked body has no Content-Length to check first)."""
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def prepare(ctx: ServerContext, raw: bytes, chat: bool, received_ns: int, loop, owner: str | None) -> Call:
+    """Parse, check, template and tokenize (in a worker thread: a large body must not hold up the streams)."""
+    body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
+    req = dataclasses.replace(chat_request(body) if chat else completion_request(body), fingerprint=ctx.fingerprint)
+    if req.model not in ctx.options.model_names:
+        raise APIError(404, f"the model {req.model[:200]!r} does not exist here; this server serves "
+                            f"{ctx.options.model_names[0]!r} (GET /v1/models)", param="model", code="model_not_found")
+    ctx.note_ignored(req.shown.get("ignored_fields", []))
+    return ctx.loop.prepare(req, received_ns, loop, owner)
+
+
+async def completion(ctx: ServerContext, request: Request, chat: bool) -> Response:
+    received = time.perf_counter_ns()
+    if ctx.drain.draining:
+        raise unavailable("the server is draining: it finishes the requests in flight and takes no new ones",
+                          code="draining")
+    raw = await read_body(request, ctx.options.max_body_bytes)
+    first = await asyncio.to_thread(prepare, ctx, raw, chat, received, asyncio.get_running_loop(),
+                                    request.scope.get(OWNER))
+    calls = [first] + [ctx.loop.another_choice(first, i) for i in range(1, first.request.n)]
+    try:
+        for call in calls:
+            ctx.loop.submit(call)
+    except APIError:
+        for call in calls:
+            ctx.loop.abort(call)
+        raise
+    headers = {"x-anatomy-id": ",".join(c.id for c in calls), "x-llm-anatomy-weights": ctx.engine.weights.kind}
+    if first.request.stream:
+        return StreamingResponse(stream(ctx, calls), media_type="text/event-stream",
+                                 headers={**headers, "cache-control": "no-cache"})
+    try:
+        ends = await asyncio.gather(*(wait_done(ctx, c, request) for c in calls))
+    finally:  # cancelled (shutdown), disconnected or failed: nothing of it keeps running
+        for call in calls:
+            ctx.loop.abort(call)
+    if any(end is None for end in ends):  # the client went away
+        return Response(status_code=499, headers=headers)
+    failed = next((end for end in ends if isinstance(end, APIError)), None)
+    if failed is not None:
+        return error_response(failed, headers)
+    return JSONResponse(await whole_answer(ctx, calls, ends), headers=headers)
+
+
+async def whole_answer(ctx: ServerContext, calls: list[Call], ends: list[Progress]) -> dict:
+    first, req, tokenizer = calls[0], calls[0].request, ctx.engine.tokenizer
+    out = None
+    for i, (call, end) in enumerate(zip(calls, ends)):
+        text = (call.prompt_text or "") + end.text if req.echo else end.text
+        logprobs = None
+        if end.logprobs is not None:
+            logprobs = logprobs_body(req, tokenizer, end.token_ids[:end.tokens], end.logprobs[:end.tokens])
+        body = completion_body(req, first.id, now_s(), text, end.finish_reason, len(call.prompt_token_ids),
+                               end.tokens, logprobs)
+        body["choices"][0]["index"] = i
+        if out is None:
+            out = body
+        else:
+            out["choices"] += body["choices"]
+            out["usage"] = usage(len(first.prompt_token_ids), out["usage"]["completion_tokens"] + end.tokens)
+    if req.want_anatomy:  # one summary, or a list of them (one per choice) when n > 1
+        summaries = [await anatomy_of(ctx, c) for c in calls]
+        out["anatomy"] = summaries[0] if req.n == 1 else summaries
+    return out
+
+
+async def wait_done(ctx: ServerContext, call: Call, request: Request) -> Progress | APIError | None:
+    """The call's final Progress (or error); None if the client disconnected first (the call is aborted)."""
+    poll = ctx.options.poll_disconnect_s
+    next_check = time.monotonic() + poll
+    while True:
+        for event in await call.events.take(max(0.0, next_check - time.monotonic())):
+            if isinstance(event, APIError) or (isinstance(event, Progress) and event.finish_reason is not None):
+                return event
+        if time.monotonic() >= next_check:
+            if await request.is_disconnected():
+                ctx.loop.abort(call)
+                return None
+            next_check = time.monotonic() + poll
+
+
+async def anatomy_of(ctx: ServerContext, call: Call) -> dict | None:
+    """The call's anatomy summary, asking the builder for it first and waiting until it is built."""
+    ctx.loop.builder.want(call.id)
+    while not call.anatomy_built:
+        await call.events.take()  # the builder posts once it is done
+    return call.anatomy
+
+
+class ChoiceStream:
+    """One choice's SSE lines, up to and with its finish reason (`tokens` then holds its output token count)."""
+
+    def __init__(self, ctx: ServerContext, call: Call, key: str, created: int, index: int):
+        self.ctx, self.call, self.req = ctx, call, call.request
+        self.key, self.created, self.index = key, created, index
+        self.prompt_tokens = len(call.prompt_token_ids)
+        self.sent, self.logprobs_sent = 0, 0  # characters, tokens
+        self.tokens: int | None = None
+        self.want_logprobs = call.params.logprobs is not None
+        self.hold = max(0, max((len(s) for s in call.params.stop), default=0) - 1)
+        self.text_chunks = TextChunks(self.req, key, created, index, self.prompt_tokens)
+
+    def _chunk(self, tokens: int, **kw) -> str:
+        so_far = usage(self.prompt_tokens, tokens) if self.req.continuous_usage else None
+        return sse(chunk(self.req, self.key, self.created, index=self.index, usage_=so_far, **kw))
+
+    def _new_logprobs(self, event: Progress) -> dict | None:
+        """Logprobs of the tokens since the last chunk that carried some."""
+        if not self.want_logprobs or event.tokens <= self.logprobs_sent:
+            return None
+        body = logprobs_body(self.req, self.ctx.engine.tokenizer, event.token_ids[self.logprobs_sent:event.tokens],
+                             event.logprobs[self.logprobs_sent:event.tokens], offset=self.sent)
+        self.logprobs_sent = event.tokens
+        return body
+
+    async def _next_event(self) -> Progress | APIError:
+        """The newest progress (the client fell behind: one chunk for all of it), or an error."""
+        while True:
+            latest = None
+            for event in await self.call.events.take():
+                if isinstance(event, APIError):
+                    return event
+                if isinstance(event, Progress):
+                    latest = event
+            if latest is not None:
+                return latest
+
+    async def lines(self):
+        if self.req.chat:
+            yield self._chunk(0, role=True)
+        elif self.req.echo and self.call.prompt_text:
+            yield self._chunk(0, text=self.call.prompt_text)
+        while True:
+            event = await self._next_event()
+            if isinstance(event, APIError):
+                yield sse(event.body())
+                return
+            if event.finish_reason is not None:
+                for line in self._last(event):
+                    yield line
+                return
+            # Hold back what could still become a stop string (cut from the text) or a tool call.
+            text = event.text
+            upto = len(text) - self.hold
+            if self.req.parse_tool_calls:
+                upto = min(upto, before_tool_call(text))
+            if upto > self.sent:
+                if self.want_logprobs:
+                    line = self._chunk(event.tokens, text=text[self.sent:upto], logprobs=self._new_logprobs(event))
+                else:
+                    line = self.text_chunks.line(text[self.sent:upto], event.tokens)
+                self.sent = upto
+                yield line
+
+    def _last(self, event: Progress) -> list[str]:
+        rest, calls, reason = event.text[self.sent:], [], event.finish_reason
+        if self.req.parse_tool_calls:
+            content, calls = split_tool_calls(rest, self.call.id, None if self.req.parallel_tool_calls else 1)
+            rest = content or ""
+            reason = "tool_calls" if calls else reason
+        lines = []
+        rest_logprobs = self._new_logprobs(event)
+        if rest or calls or rest_logprobs:
+            lines.append(self._chunk(event.tokens, text=rest, tool_calls=calls, logprobs=rest_logprobs))
+        self.tokens = event.tokens
+        lines.append(self._chunk(event.tokens, finish_reason=reason))
+        return lines
+
+
+async def merged(streams: list):
+    """Several choices' lines as they come (n > 1)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(lines):
+        try:
+            async for line in lines:
+                await queue.put(line)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        done = 0
+        while done < len(tasks):
+            line = await queue.get()
+            if line is None:
+                done += 1
+            else:
+                yield line
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream(ctx: ServerContext, calls: list[Call]):
+    req, key, created = calls[0].request, calls[0].id, now_s()
+    try:
+        choices = [ChoiceStream(ctx, c, key, created, i) for i, c in enumerate(calls)]
+        lines = [c.lines() for c in choices]
+        async for line in (lines[0] if len(lines) == 1 else merged(lines)):
+            yield line
+        if all(c.tokens is not None for c in choices):  # every choice finished (none failed)
+            last = None
+            if req.include_usage:
+                last = chunk(req, key, created, usage_=usage(len(calls[0].prompt_token_ids),
+                                                             sum(c.tokens for c in choices)), no_choices=True)
+            if req.want_anatomy:  # in the last chunk: one summary, or one per choice when n > 1
+                summaries = [await anatomy_of(ctx, c) for c in calls]
+                last = last or chunk(req, key, created, no_choices=True)
+                last["anatomy"] = summaries[0] if req.n == 1 else summaries
+            if last is not None:
+                yield sse(last)
+        yield "data: [DONE]\n\n"
+    finally:
+        for call in calls:
+            ctx.loop.abort(call)  # a no-op once it has finished; frees its KV blocks if the client left
