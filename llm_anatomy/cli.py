@@ -316,9 +316,14 @@ def add_serve(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1", type=nonempty,
                      help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on (default 8000)")
-    srv.add_argument("--api-key", type=nonempty, default=os.environ.get("LLM_ANATOMY_API_KEY") or None,
-                     help="require 'Authorization: Bearer KEY' on every route but /health "
-                          "(default: $LLM_ANATOMY_API_KEY, else no key)")
+    srv.add_argument("--api-key", action="append", default=[], type=nonempty,
+                     help="require 'Authorization: Bearer KEY' on every route but /health; repeatable, each key "
+                          "owning the anatomies its calls make (default: $LLM_ANATOMY_API_KEY, else no key)")
+    srv.add_argument("--api-key-file", type=input_file,
+                     help="a file of API keys, one a line (blank lines and # comments skipped), as --api-key")
+    srv.add_argument("--stream-interval", type=integer(1, 4096), default=1,
+                     help="tokens per streamed chunk after the first (default 1: every token); larger sends fewer, "
+                          "larger chunks when many streams run")
     srv.add_argument("--served-model-name", action="append", default=[], type=nonempty,
                      help="the name clients give as `model` (repeatable; default: the model's name)")
     srv.add_argument("--max-num-seqs", type=integer(1), default=64, help="most requests in one step (default 64)")
@@ -361,6 +366,7 @@ def _serve_preflight(args, model: str) -> None:
 def cmd_serve(args) -> int:
     from .progress import ProgressLine
     from .server.app import serve
+    from .server.auth import api_keys
 
     if args.model_name and args.model:
         raise AnatomyError("give the model once: as MODEL or as --model")
@@ -371,6 +377,7 @@ def cmd_serve(args) -> int:
                            + "; use --kv-cache-tokens")
     model = args.model_name or args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
     _serve_preflight(args, model)
+    keys = api_keys(args.api_key, args.api_key_file, os.environ.get("LLM_ANATOMY_API_KEY"))
     with ProgressLine() as progress:
         engine = _load_engine(model, progress, device=device, dtype=args.dtype, weights=args.weights,
                               kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
@@ -384,9 +391,9 @@ def cmd_serve(args) -> int:
     print(f"llm-anatomy: serving {names[0]} ({engine.weights.label}) on http://{args.host}:{args.port}/v1 "
           f"- KV pool {engine.pool.capacity_tokens} tokens, anatomies in {args.run_dir}", file=sys.stderr, flush=True)
     serve(engine, host=args.host, port=args.port, model_names=names, ceilings=ceilings, run_dir=args.run_dir,
-          keep_anatomies=args.keep_anatomies, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+          keep_anatomies=args.keep_anatomies, api_keys=keys, max_body_bytes=args.max_body_bytes,
           device_why=why, telemetry_hz=None if args.no_telemetry else 50.0, drain_timeout_s=args.drain_timeout,
-          log_level=args.log_level)
+          stream_interval=args.stream_interval, log_level=args.log_level)
     return 0
 
 

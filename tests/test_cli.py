@@ -97,6 +97,8 @@ def unwritable_dir(tmp_path) -> Path:
     (["call", "hi", "--temperature", "nan"], "--temperature must be a finite number"),
     (["call", "hi", "--temperature", "inf"], "--temperature must be a finite number"),
     (["call", "hi", "--top-p", "0"], "--top-p must be in (0, 1], got 0"),
+    (["call", "hi", "--quantization", "gptq"], "invalid choice: 'gptq'"),
+    (["call", "hi", "--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
     (["call", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     (["call", "hi", "--top-k", "-2"], "--top-k must be >= -1, got -2"),
     (["call", "hi", "--top-k", str(2**63)], "--top-k must be <= 9223372036854775807"),
@@ -188,6 +190,10 @@ def test_bad_calls_are_refused_before_the_weights_load(capsys, checkpoint, no_lo
     (["--served-model-name", ""], "--served-model-name is empty"),
     (["--host", ""], "--host is empty"),
     (["--api-key", ""], "--api-key is empty"),
+    (["--api-key-file", "/no/such/keys"], "--api-key-file"),
+    (["--stream-interval", "0"], "--stream-interval must be >= 1"),
+    (["--quantization", "awq"], "invalid choice: 'awq'"),
+    (["--kv-cache-dtype", "int4"], "invalid choice: 'int4'"),
     (["--log-level", "loud"], "invalid choice: 'loud'"),
 ])
 def test_bad_serve_flags_are_refused_while_parsing(capsys, no_config_read, argv, message):
