@@ -463,9 +463,47 @@ def section_kernels(ctx) -> dict:
     return out
 
 
+def offline_throughput(engine, sequences: int, prompt_tokens: int, output_tokens: int) -> dict:
+    """Output tok/s of `sequences` prompts of random tokens decoded together to `output_tokens` each (greedy,
+    ignore_eos), wall clock of generate_many including the prefills, after a warm-up run of the same shape."""
+    prompts = [prompt_ids(prompt_tokens, seed=1000 + i) for i in range(sequences)]
+    engine.generate_many(prompts[:max(1, sequences // 8)], temperature=0, max_tokens=8, ignore_eos=True)
+    sync()
+    t = time.perf_counter()
+    outs = engine.generate_many(prompts, temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    sync()
+    seconds = time.perf_counter() - t
+    tokens = sum(len(o.output_token_ids) for o in outs)
+    return {"sequences": sequences, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "seconds": seconds, "output_tok_s": tokens / seconds}
+
+
+def section_precision(ctx) -> dict:
+    """bf16 beside fp8 (weights quantized at load, per output channel; and the fp8 KV cache), one engine each in
+    turn: batch-1 TPOT at 512 and at 32k context, prefill of 8192 tokens back to back, offline throughput of 512
+    sequences of 128 prompt / 128 output tokens."""
+    out = {}
+    for name, settings in (("bf16", {}), ("fp8_weights", {"quantization": "fp8"}),
+                           ("fp8_weights_kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"})):
+        engine = make_engine(ctx, kv_cache_tokens=140_000, max_num_seqs=512, **settings)
+        row = {"load_s": ctx["engine_load_s"], "engine": describe_engine(engine),
+               "weight_bytes": engine.weights.bytes, "kv_bytes_per_token": engine.pool.bytes_per_token}
+        timed_generate(engine, prompt_ids(128), 16)  # warm-up
+        row["decode_ctx512"] = timed_generate(engine, prompt_ids(384, 1), 128)
+        row["decode_ctx32k"] = timed_generate(engine, prompt_ids(32640, 2), 64)
+        row["prefill_8192_ms"] = prefill_ms(engine, 8192)
+        row["throughput_512x128x128"] = offline_throughput(engine, 512, 128, 128)
+        out[name] = row
+        print(f"  {name}: TPOT {row['decode_ctx512']['tpot_ms']:.3f} ms at 512, "
+              f"{row['decode_ctx32k']['tpot_ms']:.3f} at 32k; prefill 8192 {row['prefill_8192_ms']:.1f} ms; "
+              f"{row['throughput_512x128x128']['output_tok_s']:.0f} output tok/s at 512 sequences", flush=True)
+    return out
+
+
 SECTIONS = {"env": section_env, "correctness": section_correctness, "gemv": section_gemv, "attn": section_attn,
             "ours": section_ours, "overhead": section_overhead, "kernels": section_kernels, "hf": section_hf,
-            "protocol": section_protocol, "pdl": section_pdl, "prefill_graphs": section_prefill_graphs}
+            "protocol": section_protocol, "pdl": section_pdl, "prefill_graphs": section_prefill_graphs,
+            "precision": section_precision}
 ALL = list(SECTIONS)
 
 

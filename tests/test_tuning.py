@@ -135,3 +135,21 @@ def test_the_kernels_digest_changes_with_their_code_not_their_comments_or_docstr
     assert code_digest(code) == code_digest(code.replace('    """Adds one."""\n', ""))
     assert code_digest(code) != code_digest(code.replace("x + 1", "x + 2"))
     assert len(kernels_digest()) == 12
+
+
+def test_a_first_start_on_a_shipped_gpu_reads_the_package_table(tmp_path):
+    """The package ships the tiles tuned on an H200 for Qwen3-8B's shapes (data/gemv_tiles.json): a first start-up
+    there (empty cache, any library versions) takes them and times nothing; another GPU, PDL off or a shape the
+    table lacks is tuned as before."""
+    shapes = [(12288, 4096, True, "bfloat16"), (151936, 4096, False, "bfloat16"), (4096, 12288, False, "bfloat16"),
+              (4096, 4096, False, "bfloat16"), (6144, 4096, False, "bfloat16")]
+    device = "NVIDIA H200 | cuda 13.9 | torch 9.0"
+    tiles, calls = {}, []
+    shipped = tune_tiles(shapes, tiles, fake_step(tiles, calls), device, True, tmp_path)
+    assert shipped.source == "shipped" and not calls and set(shipped.tiles) == set(shapes)
+    assert all(dataclasses.replace(t, prefetch=0) in CANDIDATE_TILES for t in shipped.tiles.values())
+    for other, pdl, keys in (("NVIDIA H100 80GB HBM3 | cuda 13.0", True, [QKV]), (device, False, [QKV]),
+                             (device, True, [QKV, (1024, 1024, False, "bfloat16")])):
+        tiles, calls = {}, []
+        assert tune_tiles(keys, tiles, fake_step(tiles, calls), other, pdl, tmp_path / other[:11] / str(pdl),
+                          CANDIDATES).source == "tuned" and calls
