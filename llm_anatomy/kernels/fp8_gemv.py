@@ -43,6 +43,12 @@ class Tile:
 # GEMV's default tile (gemv.DEFAULT_TILE: 32 x 256), so registers hold the same; the matmul's is a plain 128 x 128.
 GEMV_TILE = Tile(16, 32, 256, 4, 4)
 MATMUL_TILE = Tile(128, 128, 128, 8, 3)
+# float32 activations take four times a bf16 tile's shared memory a stage: half the rows fit in a Hopper block's
+MATMUL_TILE_F32 = Tile(64, 128, 128, 8, 3)
+
+
+def matmul_tile(dtype: torch.dtype) -> Tile:
+    return MATMUL_TILE_F32 if dtype == torch.float32 else MATMUL_TILE
 
 
 @triton.jit
@@ -124,8 +130,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | Non
 
 
 def supports_matmul(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None = None,
-                    tile: Tile = MATMUL_TILE) -> bool:
-    return _supports(x, weight, block, tile)
+                    tile: Tile | None = None) -> bool:
+    return _supports(x, weight, block, tile or matmul_tile(x.dtype))
 
 
 def _launch(x, weight, scale, block, gated: bool, tile: Tile, pdl: bool) -> torch.Tensor:
@@ -151,9 +157,10 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-               gated: bool = False, tile: Tile = MATMUL_TILE, pdl: bool = False) -> torch.Tensor:
-    """fp8_gemv for any number of rows (a prefill): programs over tiles of rows too."""
-    return _launch(x, weight, scale, block, gated, tile, pdl)
+               gated: bool = False, tile: Tile | None = None, pdl: bool = False) -> torch.Tensor:
+    """fp8_gemv for any number of rows (a prefill): programs over tiles of rows too (the tile: matmul_tile's for
+    the activations' dtype unless given)."""
+    return _launch(x, weight, scale, block, gated, tile or matmul_tile(x.dtype), pdl)
 
 
 def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
