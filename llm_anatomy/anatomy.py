@@ -354,9 +354,11 @@ class KernelBreakdown:
 class ModelRecord:
     name: str
     config: dict  # HF config.json field names
-    dtype: str
+    dtype: str  # the activations' (and the unquantized weights')
     parameters: int
     weight_bytes: int
+    precision: str | None = None  # the fp8 layers in words (--quantization fp8 or an fp8 checkpoint); None: all dtype
+    kv_cache_dtype: str | None = None  # what the KV cache stores
 
 
 @dataclass
@@ -387,7 +389,8 @@ class StartupRecord:
     programmatic_dependent_launch: bool
     streaming_gemv: bool = False  # batch-1 GEMVs by the CUDA kernel that reads weights before its wait
     tile_tuning_s: float = 0.0  # of compile_and_capture_s: the decode GEMVs' tiles, timed in the decode step
-    tiles_from_cache: bool = False  # the tiles were read from the disk cache, tuned by an earlier start-up
+    tiles_from_cache: bool = False  # the tiles were read back, not tuned: from the disk cache or the package's table
+    plan: dict = field(default_factory=dict)  # the engine's execution plan (engine/plan.py ExecutionPlan.describe)
 
 
 @dataclass

@@ -191,3 +191,32 @@ def test_a_quantized_lm_head_or_unevenly_quantized_fused_parts_are_refused():
         **ct({"strategy": "channel"}), "ignore": ["lm_head", "model.layers.0.self_attn.k_proj"]}})
     with pytest.raises(UnsupportedModelError, match="parts of model.layers.0.self_attn.qkv_proj .*quantized alike"):
         build_model(uneven, device, torch.bfloat16)
+
+
+def test_the_anatomy_says_which_precision_ran(save_tiny):
+    """A call on an fp8 engine: its record names the fp8 layers and the KV cache's dtype, the reports show them,
+    and its bytes follow (the linear layers' weights at a byte each, the KV cache at half the bytes)."""
+    from rich.console import Console
+
+    from llm_anatomy import Engine
+    from llm_anatomy.probe.call import CallRequest, measure_call
+    from llm_anatomy.probe.ceilings import datasheet_ceilings
+    from llm_anatomy.report.html import render_html
+    from llm_anatomy.report.terminal import render
+
+    directory, _ = save_tiny()
+    request = CallRequest(prompt_token_ids=[3, 1, 4, 1, 5], sampling=dict(temperature=0, max_tokens=3, ignore_eos=True))
+    records = {}
+    for name, settings in (("bf16", {}), ("fp8", {"quantization": "fp8", "kv_cache_dtype": "fp8"})):
+        engine = Engine.from_pretrained(directory, device="cpu", dtype="bfloat16", kv_cache_tokens=64, **settings)
+        records[name] = measure_call(engine, request, datasheet_ceilings(engine.device), use_telemetry=False)[1]
+    fp8, bf16 = records["fp8"], records["bf16"]
+    assert bf16.model.precision is None and bf16.model.kv_cache_dtype == "bfloat16"
+    assert "fp8 e4m3 weights" in fp8.model.precision and fp8.model.kv_cache_dtype == "float8_e4m3fn"
+    assert fp8.kv_cache.bytes_per_token * 2 == bf16.kv_cache.bytes_per_token
+    assert fp8.decode_steps[0].bytes < bf16.decode_steps[0].bytes
+    console = Console(record=True, width=300)
+    render(fp8, console)
+    text = " ".join(console.export_text().split())
+    assert "Precision fp8 e4m3 weights" in text and "KV cache in float8_e4m3fn" in text
+    assert "KV cache in <b>float8_e4m3fn</b>" in render_html(fp8)

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import __version__
-from ..report.html import CHART_CONFIG, plotly_js, script_json
+from ..report.page import CHART_CONFIG, plotly_js, script_json
 from .metrics import PERCENTILES
 from .runner import BenchRun
 

@@ -119,14 +119,12 @@ def _entry_key(key: tuple) -> str:
     return f"{n}x{k}{' gated' if gated else ''} {dtype}"
 
 
-def cached_tiles(device: str, pdl: bool, keys: Sequence[tuple], cache_dir: str | os.PathLike | None = None,
-                 candidates: Sequence[Tile] | None = None) -> dict[tuple, Tile]:
-    """The tiles stored for these shapes on this device (only the shapes found; only candidates, or their
-    prefetch variants for the shape's K)."""
+def _tiles_of(entry: dict, keys: Sequence[tuple], candidates: Sequence[Tile] | None) -> dict[tuple, Tile]:
+    """The entry's tiles for these shapes: only well-formed ones that are candidates, or their prefetch variants for
+    the shape's K (a damaged or foreign entry yields nothing)."""
     from ..kernels.gemv import Tile, prefetch_variants
 
     candidates = _candidates(candidates)
-    entry = read_entries(cache_file("gemv_tiles.json", cache_dir), CACHE_FORMAT).get(_cache_key(device, pdl), {})
     found = {}
     for key in keys:
         value = entry.get(_entry_key(key))
@@ -135,6 +133,13 @@ def cached_tiles(device: str, pdl: bool, keys: Sequence[tuple], cache_dir: str |
             if base in candidates and (tile == base or tile in prefetch_variants(base, key[1])):
                 found[key] = tile
     return found
+
+
+def cached_tiles(device: str, pdl: bool, keys: Sequence[tuple], cache_dir: str | os.PathLike | None = None,
+                 candidates: Sequence[Tile] | None = None) -> dict[tuple, Tile]:
+    """The tiles stored for these shapes on this device (only the shapes found)."""
+    entry = read_entries(cache_file("gemv_tiles.json", cache_dir), CACHE_FORMAT).get(_cache_key(device, pdl), {})
+    return _tiles_of(entry, keys, candidates)
 
 
 def store_tiles(device: str, pdl: bool, tiles: dict[tuple, Tile], cache_dir: str | os.PathLike | None = None):
@@ -152,24 +157,13 @@ def shipped_tiles(device: str, pdl: bool, keys: Sequence[tuple], candidates: Seq
     where and with what they were measured), for a first start-up that would otherwise tune for most of a
     minute. Keyed by the GPU's name alone: tiles tuned with other kernel or library versions are still correct,
     at worst a little slower, and a later start-up's own tuning can replace them (`calibrate --force`)."""
-    from ..kernels.gemv import Tile, prefetch_variants
-
     path = Path(__file__).resolve().parent.parent / "data" / "gemv_tiles.json"
     try:
         table = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     gpu = device.split(" | ")[0]
-    entry = table.get("entries", {}).get(f"{gpu} | pdl {'on' if pdl else 'off'}", {})
-    candidates = _candidates(candidates)
-    found = {}
-    for key in keys:
-        value = entry.get(_entry_key(key))
-        if isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value):
-            tile, base = Tile(*value), Tile(*value[:4])
-            if base in candidates and (tile == base or tile in prefetch_variants(base, key[1])):
-                found[key] = tile
-    return found
+    return _tiles_of(table.get("entries", {}).get(f"{gpu} | pdl {'on' if pdl else 'off'}", {}), keys, candidates)
 
 
 def tune_tiles(keys: Sequence[tuple], tiles: dict[tuple, Tile], step_ms: Callable[[], float], device: str,

@@ -231,7 +231,8 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
         id=rec.request_id, started_at_unix=time.time() - (time.perf_counter_ns() - clock.t0_ns) / 1e9,
         tool_version=__version__,
         model=ModelRecord(engine.source.name, config.to_hf(), str(engine.dtype).split(".")[-1],
-                          engine.weights.num_parameters, engine.weights.bytes),
+                          engine.weights.num_parameters, engine.weights.bytes, engine.weights.quantization,
+                          engine.plan.kv_cache_dtype),
         weights=WeightsRecord(engine.weights.kind, engine.weights.source, engine.weights.label, engine.weights.seed),
         device=device_record(engine, device_why),
         request=request, prompt_text=result.prompt_text, prompt_token_ids=result.prompt_token_ids,
@@ -256,7 +257,8 @@ def startup_record(engine: Engine) -> StartupRecord | None:
                          compile_and_capture_s=graphs["capture_seconds"] + (tuning.seconds if tuning else 0.0),
                          cuda_graphs=graphs["count"], programmatic_dependent_launch=engine.plan.pdl,
                          streaming_gemv=engine.plan.stream_gemv, tile_tuning_s=tuning.seconds if tuning else 0.0,
-                         tiles_from_cache=bool(tuning and tuning.source in ("cache", "shipped")))
+                         tiles_from_cache=bool(tuning and tuning.source in ("cache", "shipped")),
+                         plan=engine.plan.describe())
 
 
 def steady_energy(engine: Engine, anatomy: Anatomy, repeats: int, hz: float = 100.0) -> None:

@@ -13,9 +13,9 @@ def startup_text(a) -> str | None:
     if not s.cuda_graphs:
         return f"{seconds(s.total_s)} once, before this call and not in its timings; eager, no CUDA graphs"
     pdl = "on" if s.programmatic_dependent_launch else "off"
-    tiles = ("GEMV tiles from the cache" if s.tiles_from_cache
-             else f"GEMV tile tuning {seconds(s.tile_tuning_s)} (kept for the next start)")
+    tiles = ("the GEMV tiles read back (cached, or shipped for this GPU)" if s.tiles_from_cache
+             else f"{seconds(s.tile_tuning_s)} of GEMV tile tuning (kept for the next start)")
     streaming = "; batch-1 GEMVs stream their weights before their wait" if s.streaming_gemv else ""
     return (f"{seconds(s.total_s)} once, before this call and not in its timings, of which "
-            f"{seconds(s.compile_and_capture_s)} Triton compiles, {tiles} and the capture of {s.cuda_graphs} CUDA "
-            f"graphs (programmatic dependent launch {pdl}{streaming})")
+            f"{seconds(s.compile_and_capture_s)} compiling kernels and capturing {s.cuda_graphs} CUDA graphs, with "
+            f"{tiles} (programmatic dependent launch {pdl}{streaming})")

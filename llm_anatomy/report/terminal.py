@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..anatomy import Anatomy
+from ..anatomy import Anatomy, percentile
 from . import finite, startup_text, units
 from .readings import BytesReading, bytes_reading, energy_reading, memory_words
 
@@ -51,6 +51,9 @@ def _header(a: Anatomy) -> Table:
     header = Table.grid(padding=(0, 2))
     header.add_row("Model", f"{m.name}: {units.sig(m.parameters / 1e9, 4)} B parameters, {m.dtype}, "
                             f"{units.size(m.weight_bytes)} of weights")
+    if m.precision or (m.kv_cache_dtype and m.kv_cache_dtype != m.dtype):
+        header.add_row("Precision", "; ".join(filter(None, (m.precision, m.kv_cache_dtype and
+                                                                f"KV cache in {m.kv_cache_dtype}"))))
     header.add_row("Weights", Text(a.weights.label, style="bold yellow" if a.weights.kind == "synthetic" else ""))
     header.add_row("Device", f"{d.name}, {units.size(d.total_memory)} of {words.noun} ({d.why})")
     ce = a.ceilings
@@ -82,8 +85,8 @@ def _timeline(a: Anatomy) -> Table:
 
 def _latency(c: Console, a: Anatomy) -> None:
     tpot = units.ms(a.tpot_ms) if a.tpot_ms is not None else "n/a (one token)"
-    itl = sorted(a.itl_ms)
-    itl_text = (f"ITL p50 {units.ms(statistics.median(itl))} / p90 {units.ms(itl[int(0.9 * (len(itl) - 1))])}"
+    itl = a.itl_ms
+    itl_text = (f"ITL p50 {units.ms(percentile(itl, 50))} / p90 {units.ms(percentile(itl, 90))}"
                 if itl else "no ITL")
     tps = f" · {units.sig(a.decode.tokens_per_s)} tok/s decode" if a.decode else ""
     c.print(f"[bold]Latency[/bold]  TTFT {units.ms(a.ttft_ms)} · TPOT {tpot} (vLLM's definition) · {itl_text} · "

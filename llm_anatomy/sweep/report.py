@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..models.config import ModelConfig, parse_dtype
-from ..report.html import plotly_js, script_json
+from ..report.page import plotly_js, script_json
 from .grid import Precision
 from .planner import (Efficiencies, Hardware, Setup, default_efficiencies, fit_efficiencies, predict_point,
                       relative_error, roofline_ridge_batch)
