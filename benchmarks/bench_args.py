@@ -54,7 +54,6 @@ def output_dir(text: str) -> Path:
     path = Path(text).expanduser()
     if path.suffix == ".json" or (path.exists() and not path.is_dir()):
         raise argparse.ArgumentTypeError(f"want a directory (the results go in files under it), got {text}")
-    path.mkdir(parents=True, exist_ok=True)
     return path
 
 

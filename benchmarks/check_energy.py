@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['output_tokens']} tokens | {r['e2e_s']:.2f} | {r['anatomy_j']:.1f} [{r['low_j']:.1f}, {high}] | "
               f"{r['independent_j']:.1f} | {r['difference']:+.2%} |")
     if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "energy.json").write_text(json.dumps({"model": args.model, "device": torch.cuda.get_device_name(),
                                                           "calls": rows}, indent=1))
     return 0

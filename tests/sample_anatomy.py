@@ -223,6 +223,7 @@ def _build(*, cpu: bool, prompt_tokens: int, steps: int) -> Anatomy:
         total=device.total_memory, weights=weight_bytes, kv_pool=pool_real, cuda_graphs=cuda_graphs,
         other_allocated=other, allocator_free=alloc_free, context_and_other=ctx_other,
         free=device.total_memory - used, activation_peak=(38 * MiB if not cpu else None), source=source,
+        kind="host" if cpu else "device",
     )
 
     # -- telemetry

@@ -255,12 +255,13 @@ def test_our_own_servers_metrics_are_read():
     before = Snapshot(parse(metrics.render().decode()), "llm_anatomy:", 0)
     assert flavour(before.samples) == "llm_anatomy:"
     metrics.finished("length", 16, 8)
-    metrics.observe(sample_anatomy())
+    a = sample_anatomy()  # what the server observes from a finished call's trace (Metrics.observe_trace)
+    metrics.ttft.labels("m").observe(a.ttft_ms / 1e3)
+    metrics.queue.labels("m").observe(a.batching.queue_ms / 1e3)
     after = Snapshot(parse(metrics.render().decode()), "llm_anatomy:", 1)
     v = ServerWatch("llm_anatomy:", before, during=[after], after=after).view()
     assert v["requests_running"]["max"] == 2 and v["requests_waiting"]["max"] == 1
     assert v["kv_cache_usage"]["max"] == pytest.approx(0.25) and v["generation_tokens"] == 8
-    a = sample_anatomy()
     assert v["ttft_ms_mean"] == pytest.approx(a.ttft_ms) and v["requests_counted"] == 1
     assert v["queue_ms_mean"] == pytest.approx(a.batching.queue_ms) and v["preemptions"] == 0
 

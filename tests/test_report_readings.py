@@ -42,7 +42,8 @@ def _terminal(a) -> str:
 
 def _short_prefill(a):
     """A 16-token prefill whose error (77.7 J) is twenty times its value (3.58 J)."""
-    a.telemetry.energy[0] = EnergyRecord("prefill", 3.58, 77.7, 3.58 / 16, "NVML total-energy counter")
+    a.telemetry.energy[0] = EnergyRecord("prefill", 3.58, 0.0, 3.58 + 77.7, 3.58 / 16, "NVML total-energy counter",
+                                         shorter_than_update=True)
     return a
 
 
@@ -54,7 +55,7 @@ def test_error_larger_than_the_value_is_an_interval_not_plus_minus():
     assert "prefill 3.58 J [0, 81.3] J" in page and "± 77.7" not in page
     assert "energy prefill: 3.58 J in [0, 81.3] J, 0.224 J per token in [0, 5.08] J" in term
     assert "± 77.7" not in term
-    assert "energy decode:" in term and "± 1.2 J" in term  # a small symmetric error stays ±
+    assert "energy decode:" in term and "± 1.2" not in term  # the record's interval, never a made-up ±
 
 
 def test_interval_given_by_the_record_is_shown_as_it_is():
@@ -74,7 +75,7 @@ def test_interval_given_by_the_record_is_shown_as_it_is():
 def test_energy_card_carries_the_interval():
     a = sample_anatomy()
     decode = a.telemetry.energy[1]
-    decode.uncertainty_j = 2 * decode.joules
+    decode.low_j, decode.high_j = 0.0, 3 * decode.joules
     card = re.search(r'<div class="label">Energy per token</div><div class="value">(.*?)</div>', render_html(a))
     assert card and " in [0, " in html.unescape(card.group(1))
 
@@ -114,7 +115,7 @@ def test_cpu_call_speaks_of_host_memory():
             assert word not in census, word
     page = _text(raw)
     assert "of host memory" in page and "6.2% of host memory" in page  # the KV pool's share
-    assert "GPU memory" not in page and "of the device" not in page
+    assert "GPU memory" not in page and "% of the device" not in page
     assert "CPU ms" in page and "GPU ms" not in page
     term = _terminal(a)
     assert "Memory census of host memory" in term and "68.72 GB of host memory" in term

@@ -292,7 +292,7 @@ def test_the_roofline_ridge_is_where_flops_time_meets_bytes_time(tiny):
     for b, below in ((int(ridge), True), (int(ridge) + 1, False)):
         cost = decode_cost(config, torch.float32, [100] * b)
         assert (cost.flops / 2e12 < cost.bytes / 1000e9) == below
-    # each sequence brings ~3 FLOP per byte of its own: a ridge at 5 is never reached, one at 0.1 from batch 1
+    # each sequence brings at most ~3 FLOP per byte of its own: a ridge at 5 is never reached, one at 0.1 from batch 1
     assert roofline_ridge_batch(config, torch.float32, Precision(), 100, 1000.0, 5.0) is None
     assert roofline_ridge_batch(config, torch.float32, Precision(), 100, 1000.0, 0.1) == 1.0
 

@@ -338,20 +338,27 @@ def predict_point(s: Setup, batch: int, prompt: int, output: int) -> dict:
 
 
 def roofline_ridge_batch(config: ModelConfig, dtype: torch.dtype, precision: Precision, context: float,
-                         gbps: float, tflops: float) -> float | None:
+                         gbps: float, tflops: float, most: int = 1 << 16) -> float | None:
     """The batch at which a decode step's FLOPs at `tflops` take as long as its bytes at `gbps`: the roofline's
-    ridge, in sequences. Both grow linearly with the batch (weights once, the rest per sequence), so two batches
-    fix the line; None when the FLOPs never catch up (each sequence's own bytes already past the ridge)."""
+    ridge, in sequences (fractional, between the two whole batches around it). The bytes do not grow quite linearly
+    with the batch (the decode attention's splits, and so its partials, depend on it), so the crossing is searched
+    for: doubling, then halving the interval. None when the FLOPs do not catch up by `most` sequences."""
     def gap(b: int) -> float:
         cost = precision_cost(decode_cost(config, dtype, [context] * b), config, dtype, precision)
         return cost.flops / (tflops * 1e12) - cost.bytes / (gbps * 1e9)
 
-    g1, g2 = gap(1), gap(2)
-    if g1 >= 0:
+    if gap(1) >= 0:
         return 1.0
-    if g2 <= g1:
-        return None
-    return 1 + -g1 / (g2 - g1)
+    low, high = 1, 2
+    while gap(high) < 0:
+        if high >= most:
+            return None
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if gap(mid) < 0 else (low, mid)
+    g_low, g_high = gap(low), gap(high)
+    return low + -g_low / (g_high - g_low)
 
 
 # ---------------------------------------------------------------------------------------------------------------
