@@ -112,7 +112,9 @@ def test_startup_is_recorded_apart_from_the_call(measured):
     assert s.total_s == engine.startup_seconds > 0
     assert s.compile_and_capture_s == 0 and s.cuda_graphs == 0 and not s.programmatic_dependent_launch  # CPU: eager
     assert "startup" not in {p.name for p in a.phases}  # a field of its own, not a phase of the call
-    line = f"{s.total_s:.1f} s once, before this call and not in its timings; eager, no CUDA graphs"
+    from llm_anatomy.report.units import seconds
+
+    line = f"{seconds(s.total_s)} once, before this call and not in its timings; eager, no CUDA graphs"
     assert line in render_html(a)
     console = Console(record=True, width=400)
     render(a, console)
