@@ -166,9 +166,12 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          block: tuple[int, int] | None = None, gated: bool = False) -> torch.Tensor:
     """The same product in PyTorch, float32 throughout, rounded to x's dtype as the kernel's epilogue rounds."""
-    from ..models.quant import dequantize
-
-    y = x.float() @ dequantize(weight, scale, block).t()
+    n_rows, k = weight.shape
+    if block is None:
+        w = weight.float() * scale.float()[:, None]
+    else:  # one scale per block of rows x columns
+        w = weight.float() * scale.float().repeat_interleave(block[0], 0)[:n_rows].repeat_interleave(block[1], 1)[:, :k]
+    y = x.float() @ w.t()
     if not gated:
         return y.to(x.dtype)
     n, dtype = y.shape[1] // 2, x.dtype
