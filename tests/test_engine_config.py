@@ -26,6 +26,7 @@ def test_engine_config_is_frozen_and_exported():
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
     (dict(block_size=12), "block_size must be a power of two, got 12"),
     (dict(block_size=0), "block_size must be in 1..1024"),
+    (dict(prefill_graph_tokens=-1), "prefill_graph_tokens must be >= 0"),
     (dict(seed=1 << 64), "seed must be in"),
     (dict(seed=-(1 << 63) - 1), "seed must be in"),
     (dict(gpu_memory_utilization=0), r"gpu_memory_utilization must be a fraction in \(0, 1\]"),
