@@ -50,8 +50,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # most sequences in one step
     max_num_batched_tokens: int | None = None  # tokens forwarded per step; None: min(max_model_len, 8192)
     block_size: int = 16  # KV cache tokens per block
-    # The longest whole prompt replayed from a captured CUDA graph (graphs.PREFILL_GRAPH_TOKENS at most; 0: none).
-    # None: up to that limit. A single call sets its own prompt's length, so that start-up captures no more.
+    # The longest prompt start-up prepares for: whole prompts up to it replay captured CUDA graphs
+    # (graphs.PREFILL_GRAPH_TOKENS at most), and cuDNN's attention plans are built up to it. None: every length
+    # the step budget allows. A single call sets its own prompt's length, so that start-up prepares no more.
     prefill_graph_tokens: int | None = None
     # The fast path: the fused Triton/CUDA kernels (None: on where there is a CUDA GPU and Triton) and, with them,
     # CUDA graphs, programmatic dependent launch, the streaming batch-1 GEMV (each still subject to the device).

@@ -157,8 +157,9 @@ class Engine:
                                 if cfg.prefill_graph_tokens is None else cfg.prefill_graph_tokens)
             self.graphs.capture(self.plan, prefill_limit)
         self.runner = ModelRunner(model, self.pool, device, self.plan, self.graphs)
-        if self.plan.kernels and device.type == "cuda":
-            self.runner.build_attention_plans(min(self.max_model_len, self.max_num_batched_tokens))
+        if self.plan.kernels and device.type == "cuda":  # a caller that named its longest prompt needs no more
+            self.runner.build_attention_plans(min(self.max_model_len, self.max_num_batched_tokens,
+                                                  cfg.prefill_graph_tokens or self.max_num_batched_tokens))
         self.sampler = Sampler(device, cfg.seed)
         if device.type == "cuda":
             self.sampler.warmup(config.vocab_size)
