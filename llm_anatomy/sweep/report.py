@@ -384,14 +384,17 @@ def _predicted_ridge(r: dict) -> str:
 def render_html(summary: dict) -> str:
     meta = summary["meta"]
     ident = meta["identity"]
-    figures = {f"chart-{name}": _figure(plot) for name, plot in summary["plots"].items() if plot["series"]}
+    # a plot whose series are all empty (no leave-one-out rows yet, every point out of memory) gets a note, not axes
+    drawn = {name: plot for name, plot in summary["plots"].items() if any(s["x"] for s in plot["series"])}
+    figures = {f"chart-{name}": _figure(plot) for name, plot in drawn.items()}
     loo = summary["leave_one_out"]
     return render_page(
         "sweep.html", template_dirs=[TEMPLATES], title=f"Sweep: {ident['model']} on {ident['device']}",
         figures=figures, figure_ids=list(figures), meta=meta, ident=ident,
+        empty_plots=[plot for name, plot in summary["plots"].items() if name not in drawn],
         engines=list(meta.get("engines", {}).values()),
         synthetic=any(e.get("weights_kind") == "synthetic" for e in meta.get("engines", {}).values()),
-        plots=summary["plots"], columns=POINT_COLUMNS, rows=point_rows(summary["records"]),
+        columns=POINT_COLUMNS, rows=point_rows(summary["records"]),
         ridges=[{**r, "measured": _fmt(r["measured_batch"]) or "not reached",
                  "predicted": _predicted_ridge(r)} for r in summary["ridges"]],
         loo=loo, loo_rows=[{**x, **{f"{m}_e": _fmt(x[f"{m}_error"], pct=True) for m, _ in METRICS},
