@@ -102,7 +102,8 @@ def _sweep_summary() -> dict:
               "kv_pool_tokens": 1 << 14, "max_num_seqs": 8, "max_num_batched_tokens": 512}
     meta = {"config": {**TINY, "model_type": "qwen3"}, "engines": {"bf16": engine},
             "identity": {"model": "tiny", "device": "cpu", "dtype": "float32", "weights": "synthetic"},
-            "ceilings": dataclasses.asdict(Ceilings("cpu", 20.0, 15.0, 0.5, None, None, "test")),
+            "ceilings": dataclasses.asdict(Ceilings("cpu", read_gbps=20.0, gemv_gbps=15.0, matmul_tflops=0.5,
+                                                      datasheet_gbps=None, datasheet_tflops=None, measured_at="test")),
             "updated_at": "test", "tool_version": "test"}
     return summarize(meta, [])
 
