@@ -26,6 +26,7 @@ from llm_anatomy.report.html import plotly_js
 from llm_anatomy.server.metrics import Metrics
 from llm_anatomy.tokenizer import Tokenizer
 from sample_anatomy import sample_anatomy
+from test_report_files import chromium, load_in_chromium  # noqa: F401 (chromium is a fixture)
 
 
 # ----------------------------------------------------------------------------- the wire
@@ -387,16 +388,13 @@ def test_html_escapes_what_the_server_says():
     assert "Content-Security-Policy" in page and "default-src 'none'" in page
 
 
-def test_html_draws_its_charts_in_a_browser(tmp_path):
-    from test_report_files import CHROMIUM, load_in_chromium
-
-    if not __import__("pathlib").Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} not installed")
+def test_html_draws_its_charts_in_a_browser(tmp_path, chromium):
     path = tmp_path / "bench.html"
     path.write_text(render_html(_run(model='<img src=x onerror=alert(1)>')), encoding="utf-8")
     load = load_in_chromium(path)
     assert load.errors == []
-    assert all(url == path.resolve().as_uri() or url.startswith(("data:", "blob:")) for url in load.requests)
+    assert load.requests and all(url == path.resolve().as_uri() or url.startswith(("data:", "blob:"))
+                                 for url in load.requests)
     assert set(load.charts) == {"chart-ttft_ms", "chart-tpot_ms", "chart-itl_ms", "chart-e2e_ms", "chart-throughput"}
     for cid, drawn in load.charts.items():
         assert drawn["svgs"] >= 1 and drawn["traces"] >= 1, cid

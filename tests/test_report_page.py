@@ -1,8 +1,11 @@
 """The page machinery every HTML report shares: render_page with a report's own template and figures, and the
-templates shipped as package data (in a built wheel, and found from it)."""
+templates shipped as package data (in a built wheel, and found from it by the call, bench and sweep reports)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pickle
 import re
 import shutil
 import subprocess
@@ -75,17 +78,57 @@ def test_package_templates_are_found_without_template_dirs():
     assert page.count(plotly_js()) == 1 and "<title>empty page</title>" in page
 
 
+PAGE_TEMPLATES = ("report/templates", "bench/templates", "sweep/templates")  # under llm_anatomy/
+
+
 def test_pyproject_ships_every_template():
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["llm_anatomy"]
-    files = sorted((ROOT / "llm_anatomy/report/templates").iterdir())
-    assert files
-    for f in files:
-        rel = f.relative_to(ROOT / "llm_anatomy").as_posix()
-        assert any(fnmatch(rel, g) for g in globs), f"{rel} is not in pyproject's package-data {globs}"
+    for folder in PAGE_TEMPLATES:
+        files = sorted((ROOT / "llm_anatomy" / folder).iterdir())
+        assert files, folder
+        for f in files:
+            rel = f.relative_to(ROOT / "llm_anatomy").as_posix()
+            assert any(fnmatch(rel, g) for g in globs), f"{rel} is not in pyproject's package-data {globs}"
+
+
+def _sweep_summary() -> dict:
+    """The summary of a sweep with no points yet: its engine's KV capacity is its one chart."""
+    from conftest import TINY
+
+    from llm_anatomy.anatomy import Ceilings
+    from llm_anatomy.sweep.report import summarize
+
+    engine = {"label": "bf16", "kv_bytes_per_token": 1024, "block_size": 16, "kv_pool_bytes": 1 << 24,
+              "kv_pool_tokens": 1 << 14, "max_num_seqs": 8, "max_num_batched_tokens": 512}
+    meta = {"config": {**TINY, "model_type": "qwen3"}, "engines": {"bf16": engine},
+            "identity": {"model": "tiny", "device": "cpu", "dtype": "float32", "weights": "synthetic"},
+            "ceilings": dataclasses.asdict(Ceilings("cpu", read_gbps=20.0, gemv_gbps=15.0, matmul_tflops=0.5,
+                                                      datasheet_gbps=None, datasheet_tflops=None, measured_at="test")),
+            "updated_at": "test", "tool_version": "test"}
+    return summarize(meta, [])
+
+
+# Renders the three reports from an installed wheel alone (-I: no cwd, no PYTHONPATH), each from its inputs.
+WHEEL_SCRIPT = """
+import json, pickle, sys
+sys.path.insert(0, sys.argv[1])
+import llm_anatomy
+assert llm_anatomy.__file__.startswith(sys.argv[1]), llm_anatomy.__file__
+from llm_anatomy.anatomy import Anatomy
+from llm_anatomy.bench.report import render_html as bench_page
+from llm_anatomy.report.html import render_html as anatomy_page
+from llm_anatomy.sweep.report import render_html as sweep_page
+pages = {"anatomy": anatomy_page(Anatomy.from_json(open(sys.argv[2]).read())),
+         "bench": bench_page(pickle.load(open(sys.argv[3], "rb"))),
+         "sweep": sweep_page(json.load(open(sys.argv[4])))}
+print(json.dumps({name: [page.count("Plotly.newPlot"), page.count('class="chart"')] for name, page in pages.items()}))
+"""
 
 
 def test_wheel_ships_the_templates_and_renders_from_them(tmp_path):
-    """Build a wheel from a copy of the source, install it by unzipping, and render a page from there alone."""
+    """Build a wheel from a copy of the source, install it by unzipping, and render each report from there alone."""
+    from test_bench_units import _run
+
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -97,17 +140,18 @@ def test_wheel_ships_the_templates_and_renders_from_them(tmp_path):
     assert build.returncode == 0, build.stderr[-3000:]
     wheel = tmp_path / "dist" / build.stdout.strip().splitlines()[-1]
     names = zipfile.ZipFile(wheel).namelist()
-    assert "llm_anatomy/report/templates/anatomy.html" in names and "llm_anatomy/report/templates/base.html" in names
+    for template in ("report/templates/anatomy.html", "report/templates/base.html", "bench/templates/bench.html",
+                     "sweep/templates/sweep.html"):
+        assert f"llm_anatomy/{template}" in names, template
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    record = tmp_path / "anatomy.json"
-    record.write_text(sample_anatomy().to_json(), encoding="utf-8")
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); import llm_anatomy; "
-              "assert llm_anatomy.__file__.startswith(sys.argv[1]), llm_anatomy.__file__; "
-              "from llm_anatomy.anatomy import Anatomy; from llm_anatomy.report.html import render_html; "
-              "page = render_html(Anatomy.from_json(open(sys.argv[2]).read())); "
-              "print(len(page), 'chart-roofline' in page)")
-    run = subprocess.run([sys.executable, "-I", "-c", script, str(site), str(record)], cwd=tmp_path,
+    inputs = [tmp_path / "anatomy.json", tmp_path / "bench.pickle", tmp_path / "sweep_summary.json"]
+    inputs[0].write_text(sample_anatomy().to_json(), encoding="utf-8")
+    inputs[1].write_bytes(pickle.dumps(_run()))
+    inputs[2].write_text(json.dumps(_sweep_summary()), encoding="utf-8")
+    run = subprocess.run([sys.executable, "-I", "-c", WHEEL_SCRIPT, str(site), *map(str, inputs)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split()[1] == "True"
+    drawn = json.loads(run.stdout)
+    assert drawn["bench"] == [1, 5] and drawn["sweep"] == [1, 1]  # the drawing script once, a div per chart
+    assert drawn["anatomy"][0] == 1 and drawn["anatomy"][1] >= 3

@@ -26,6 +26,7 @@ from llm_anatomy.sweep.report import HTML_FILE, SUMMARY_FILE, measured_ridge, wr
 from llm_anatomy.sweep.run import SweepOptions, engine_accepts, run_sweep
 
 from conftest import TINY
+from test_report_files import chromium, load_in_chromium  # noqa: F401 (chromium is a fixture)
 
 CEILINGS = Ceilings("cpu (test)", read_gbps=20.0, gemv_gbps=15.0, matmul_tflops=0.5, datasheet_gbps=None,
                     datasheet_tflops=None, measured_at="test")
@@ -121,11 +122,18 @@ def test_out_dir_of_another_sweep_or_a_file_is_refused(tiny, tmp_path):
         sweep(tiny, tmp_path / "other")
 
 
-def test_a_small_sweep_writes_every_plots_data(tiny, tmp_path):
-    out = tmp_path / "out"
-    meta, records = sweep(tiny, out, prompt="8,24", batch="1,3", output="4",
-                          telemetry=Telemetry(FakeNvml(200.0), "fake NVML", 200.0), energy_seconds=0.3,
-                          kv_cache_tokens=2048)  # room for decode blocks of 0.3 s
+@pytest.fixture(scope="module")
+def small_sweep(tiny, tmp_path_factory):
+    """Two prompt lengths by two batches, with energy: every plot of the report has data. (out dir, records)"""
+    out = tmp_path_factory.mktemp("small-sweep") / "out"
+    _, records = sweep(tiny, out, prompt="8,24", batch="1,3", output="4",
+                       telemetry=Telemetry(FakeNvml(200.0), "fake NVML", 200.0), energy_seconds=0.3,
+                       kv_cache_tokens=2048)  # room for decode blocks of 0.3 s
+    return out, records
+
+
+def test_a_small_sweep_writes_every_plots_data(small_sweep):
+    out, records = small_sweep
     lines = (out / "sweep.jsonl").read_text().splitlines()
     assert len(lines) == len(records) == 4
     for r in map(json.loads, lines):
@@ -157,6 +165,18 @@ def test_a_small_sweep_writes_every_plots_data(tiny, tmp_path):
         assert f'id="chart-{name}"' in html
     assert html.count(plotly_js()) == 1 and html.count("<script") == 2  # plotly inlined once, nothing fetched
     assert not re.search(r"<script[^>]+src=|<link\b", html) and "default-src 'none'" in html
+
+
+def test_the_sweep_page_draws_its_charts_in_a_browser(small_sweep, chromium):
+    page = small_sweep[0] / HTML_FILE
+    load = load_in_chromium(page)
+    assert load.errors == []
+    assert load.requests and all(url == page.resolve().as_uri() or url.startswith(("data:", "blob:"))
+                                 for url in load.requests)
+    assert set(load.charts) == {f"chart-{name}" for name in
+                                ("prefill", "decode", "batch", "energy", "capacity", "validation")}
+    for cid, drawn in load.charts.items():
+        assert drawn["svgs"] >= 1 and drawn["traces"] >= 1, cid
 
 
 def test_interrupted_sweep_resumes_without_redoing_finished_points(tiny, tmp_path, monkeypatch):
@@ -267,7 +287,10 @@ def test_report_of_an_empty_or_failed_sweep_still_renders(tiny, tmp_path):
     meta, records = sweep(tiny, out, prompt="8", batch="16", output="4", kv_cache_tokens=16)
     assert [r["status"] for r in records] == ["oom"]
     summary = write_report(out, meta, records)
-    assert "No data for this plot" in (out / HTML_FILE).read_text()
+    html = (out / HTML_FILE).read_text()
+    # the validation plot has a series per metric, all empty: a note says so instead of drawing empty axes
+    assert "<h2>Leave-one-out: each point predicted from the others</h2><p class=\"note\">No data" in html
+    assert 'id="chart-validation"' not in html and 'id="chart-capacity"' in html
     assert not summary["leave_one_out"]["available"]
 
 

@@ -10,19 +10,18 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-import jinja2
 import plotly.io as pio
-from markupsafe import Markup
 from rich.console import Console
 from rich.table import Table
 
 from .. import __version__
-from ..report.page import CHART_CONFIG, plotly_js, script_json
+from ..report.page import render_page
 from .metrics import PERCENTILES
 from .runner import BenchRun
 
 STATS = ("mean", *(f"p{q}" for q in PERCENTILES))
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "e2e"))
+TEMPLATES = Path(__file__).parent / "templates"  # bench.html, package data; it extends report's base.html
 
 
 def _at(level: dict, path: str):
@@ -174,10 +173,10 @@ def write_json(run: BenchRun, path: Path) -> None:
 
 # ----------------------------------------------------------------------------- HTML
 # Figures are plotly's JSON (data + layout) built directly: go.Figure would validate and deep-copy the theme for
-# each of them (a third of a second apiece); the page applies the one theme to all.
+# each of them (a third of a second apiece); here the theme's JSON is made once and shared by every layout.
 
-def _layout(title_text: str, xs: list, x_title: str, log_x: bool, **kw) -> dict:
-    layout = dict(title=dict(text=title_text, x=0.01, font=dict(size=15)), height=330,
+def _layout(title_text: str, xs: list, x_title: str, log_x: bool, theme: dict, **kw) -> dict:
+    layout = dict(title=dict(text=title_text, x=0.01, font=dict(size=15)), template=theme, height=330,
                   margin=dict(l=70, r=70, t=60, b=50), hovermode="x unified",
                   xaxis=dict(title=dict(text=x_title), type="log" if log_x else "linear", tickvals=xs),
                   legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1))
@@ -195,9 +194,10 @@ def _figures(run: BenchRun) -> dict[str, dict]:
     xs = [lv["concurrency"] if closed else lv["request_rate"] for lv in levels]
     x_title = "concurrency (streams)" if closed else "request rate (requests/s)"
     log_x = min(xs) > 0 and max(xs) / min(xs) >= 8
+    theme = pio.templates["plotly_white"].to_plotly_json()
 
     def figure(title_text: str, traces: list[dict], **layout) -> dict:
-        return {"data": traces, "layout": _layout(title_text, xs, x_title, log_x, **layout)}
+        return {"data": traces, "layout": _layout(title_text, xs, x_title, log_x, theme, **layout)}
 
     def y(path: str) -> list:
         return [_at(lv, path) for lv in levels]
@@ -229,15 +229,10 @@ def _figures(run: BenchRun) -> dict[str, dict]:
 
 
 def render_html(run: BenchRun) -> str:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("llm_anatomy.bench", "templates"), autoescape=True,
-                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     figs = _figures(run)
-    theme = pio.templates["plotly_white"].to_plotly_json()
-    return env.get_template("bench.html.j2").render(
-        title=title(run), run=run, when=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        version=__version__, rows=table_cells(run), charts=list(figs),
-        figures_json=Markup(script_json(figs)), theme_json=Markup(script_json(theme)),
-        chart_config=Markup(script_json(CHART_CONFIG)), plotlyjs=Markup(plotly_js()), settings=to_json(run)["settings"])
+    return render_page("bench.html", template_dirs=[TEMPLATES], title=f"Bench: {title(run)}", figures=figs,
+                       charts=list(figs), run=run, when=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+                       version=__version__, rows=table_cells(run), settings=to_json(run)["settings"])
 
 
 def write_html(run: BenchRun, path: Path) -> None:

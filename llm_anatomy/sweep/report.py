@@ -6,23 +6,21 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from importlib import resources
 from pathlib import Path
 
-import jinja2
 import plotly.graph_objects as go
-from markupsafe import Markup
 from rich.console import Console
 from rich.table import Table
 
 from ..models.config import ModelConfig, parse_dtype
-from ..report.page import plotly_js, script_json
+from ..report.page import render_page
 from .grid import Precision
 from .planner import (Efficiencies, Hardware, Setup, default_efficiencies, fit_efficiencies, predict_point,
                       relative_error, roofline_ridge_batch)
 
 SUMMARY_FILE = "sweep_summary.json"
 HTML_FILE = "sweep.html"
+TEMPLATES = Path(__file__).parent / "templates"  # sweep.html, package data; it extends report's base.html
 # A decode step "leaves the memory floor" when it takes this much longer than its bytes at the smallest batch's
 # bandwidth: 2^(1/3) - 1, where a step sits at the planner's smoothed roofline's ridge (compute time = memory time).
 RIDGE_EXCESS = 2 ** (1 / 3) - 1
@@ -312,7 +310,7 @@ DEFINITIONS = {
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _figure(plot: dict) -> dict:
+def _figure(plot: dict) -> go.Figure:
     fig = go.Figure()
     for s in plot["series"]:
         fig.add_trace(go.Scatter(x=s["x"], y=s["y"], name=s["name"], mode="lines+markers",
@@ -329,7 +327,7 @@ def _figure(plot: dict) -> dict:
     if plot.get("y2"):
         layout["yaxis2"] = dict(title=plot["y2"], overlaying="y", side="right", rangemode="tozero")
     fig.update_layout(**layout)
-    return json.loads(fig.to_json(validate=False, engine="json"))
+    return fig
 
 
 def _fmt(x, digits=3, pct=False) -> str:
@@ -385,15 +383,18 @@ def _predicted_ridge(r: dict) -> str:
 
 def render_html(summary: dict) -> str:
     meta = summary["meta"]
-    template = resources.files("llm_anatomy.sweep").joinpath("templates/sweep.html.j2").read_text()
-    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    figures = {name: _figure(plot) for name, plot in summary["plots"].items() if plot["series"]}
+    ident = meta["identity"]
+    # a plot whose series are all empty (no leave-one-out rows yet, every point out of memory) gets a note, not axes
+    drawn = {name: plot for name, plot in summary["plots"].items() if any(s["x"] for s in plot["series"])}
+    figures = {f"chart-{name}": _figure(plot) for name, plot in drawn.items()}
     loo = summary["leave_one_out"]
-    return env.from_string(template).render(
-        meta=meta, ident=meta["identity"], engines=list(meta.get("engines", {}).values()),
+    return render_page(
+        "sweep.html", template_dirs=[TEMPLATES], title=f"Sweep: {ident['model']} on {ident['device']}",
+        figures=figures, figure_ids=list(figures), meta=meta, ident=ident,
+        empty_plots=[plot for name, plot in summary["plots"].items() if name not in drawn],
+        engines=list(meta.get("engines", {}).values()),
         synthetic=any(e.get("weights_kind") == "synthetic" for e in meta.get("engines", {}).values()),
-        plots=summary["plots"], figure_ids=list(figures), figures_json=Markup(script_json(figures)),
-        plotlyjs=Markup(plotly_js()), columns=POINT_COLUMNS, rows=point_rows(summary["records"]),
+        columns=POINT_COLUMNS, rows=point_rows(summary["records"]),
         ridges=[{**r, "measured": _fmt(r["measured_batch"]) or "not reached",
                  "predicted": _predicted_ridge(r)} for r in summary["ridges"]],
         loo=loo, loo_rows=[{**x, **{f"{m}_e": _fmt(x[f"{m}_error"], pct=True) for m, _ in METRICS},
