@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from ..engine.scheduler import CHUNK_ALIGN
 from ..errors import AnatomyError
 from ..models.config import ModelConfig
-from ..probe.cost import Cost, decode_cost, layer_linear_params, layer_norm_params, prefill_cost
+from ..probe.cost import (DEFAULT_SHAPES, KernelShapes, decode_cost, layer_linear_params, layer_norm_params,
+                          prefill_cost)
 from .gpus import Gpu
 from .grid import Precision
 
@@ -111,21 +112,13 @@ def default_efficiencies(ceilings=None, ceiling_fractions: dict | None = None) -
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def precision_cost(cost: Cost, config: ModelConfig, dtype: torch.dtype, precision: Precision) -> Cost:
-    """The cost model's step at `precision`: fp8 weights read 1 byte per linear-layer parameter (per-channel
-    scales, under 0.1% more, left out; norms, embedding and lm_head stay in the model dtype), an fp8 KV cache 1
-    byte per element. Until cost.py takes a precision itself, this is where the planner applies it."""
-    if precision.quantization is None and precision.kv_cache_dtype == "auto":
-        return cost
-    parts = {k: dict(v) for k, v in cost.parts.items()}
-    size = dtype.itemsize
-    if precision.quantization == "fp8":
-        layers = config.num_hidden_layers
-        parts["linear"]["bytes"] = layers * (layer_linear_params(config) * 1 + layer_norm_params(config) * size)
-    if precision.kv_cache_dtype == "fp8":
-        for name in ("kv_read", "kv_write"):
-            parts[name]["bytes"] *= 1 / size
-    return Cost(sum(p["flops"] for p in parts.values()), sum(p["bytes"] for p in parts.values()), parts)
+def precision_shapes(precision: Precision) -> KernelShapes:
+    """The cost model's kernel shapes at `precision`: fp8 weights read a byte per linear-layer parameter and a
+    float32 scale per output row (norms, embedding and lm_head stay in the model dtype), an fp8 KV cache a byte
+    per element: what an engine of that precision's plan gives the cost model (probe.cost.device_shapes)."""
+    fp8 = precision.quantization == "fp8"
+    return replace(DEFAULT_SHAPES, weight_size=1 if fp8 else 0, weight_row_scale_bytes=4 if fp8 else 0,
+                   kv_size=1 if precision.kv_cache_dtype != "auto" else 0)
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype, precision: Precision) -> int:
@@ -309,12 +302,11 @@ class Setup:
     max_num_seqs: int
 
     def prefill_step_ms(self, seqs: list[tuple[int, int]]) -> float:
-        cost = precision_cost(prefill_cost(self.config, self.dtype, seqs), self.config, self.dtype, self.precision)
+        cost = prefill_cost(self.config, self.dtype, seqs, shapes=precision_shapes(self.precision))
         return prefill_time(prefill_features(cost.parts, self.hw, self.precision.quantization), self.eff.values())
 
     def decode_step_ms(self, batch: int, context: float) -> float:
-        cost = precision_cost(decode_cost(self.config, self.dtype, [context] * batch), self.config, self.dtype,
-                              self.precision)
+        cost = decode_cost(self.config, self.dtype, [context] * batch, shapes=precision_shapes(self.precision))
         x = decode_features(cost.parts, batch, self.hw, self.precision.quantization)
         return decode_time(x, self.eff.values())
 
@@ -344,7 +336,7 @@ def roofline_ridge_batch(config: ModelConfig, dtype: torch.dtype, precision: Pre
     with the batch (the decode attention's splits, and so its partials, depend on it), so the crossing is searched
     for: doubling, then halving the interval. None when the FLOPs do not catch up by `most` sequences."""
     def gap(b: int) -> float:
-        cost = precision_cost(decode_cost(config, dtype, [context] * b), config, dtype, precision)
+        cost = decode_cost(config, dtype, [context] * b, shapes=precision_shapes(precision))
         return cost.flops / (tflops * 1e12) - cost.bytes / (gbps * 1e9)
 
     if gap(1) >= 0:
