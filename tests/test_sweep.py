@@ -52,6 +52,20 @@ def sweep(tiny, out, prompt="8", batch="1", output="4", telemetry=None, **kw):
     return meta, records
 
 
+def test_the_calibrated_ceilings_are_what_the_meta_keeps(tiny, tmp_path, monkeypatch):
+    """Without ceilings given, the sweep calibrates (here: a stand-in calibration) and keeps the ceilings
+    themselves, which the report reads back as Ceilings."""
+    import dataclasses
+
+    from llm_anatomy.probe import ceilings as ceilings_module
+
+    monkeypatch.setattr(ceilings_module, "load_or_calibrate",
+                        lambda device, quick=False: ceilings_module.Calibration(CEILINGS, quick=quick))
+    meta, _ = run_sweep(Grid.parse("8", "1", "2"), options(tiny), tmp_path / "out", console=Console(file=io.StringIO()))
+    assert meta["ceilings"] == dataclasses.asdict(CEILINGS)
+    assert Ceilings(**meta["ceilings"]) == CEILINGS
+
+
 class FakeNvml:
     """NVML's energy counter as a board drawing `watts`: it steps every `update_ms`, read every 5 ms."""
 

@@ -286,7 +286,8 @@ def run_sweep(grid: Grid, options: SweepOptions, out_dir: Path, *, fresh: bool =
     results = Results(out_dir, ident, fresh)
     console = console or Console(stderr=True)
     if ceilings is None:
-        ceilings = load_or_calibrate(device, quick=True) if options.calibrate else datasheet_ceilings(device)
+        ceilings = (load_or_calibrate(device, quick=True).ceilings if options.calibrate
+                    else datasheet_ceilings(device))
     gpu = gpu_for_device(ident["device"]) if device.type == "cuda" else None
     results.meta.update({"tool_version": __version__, "config": config.to_hf(), "grid": grid.describe(),
                          "ceilings": dataclasses.asdict(ceilings), "gpu": gpu.key if gpu else None,
