@@ -96,6 +96,73 @@ def test_fp8_layer_prefill_on_the_gpu(block):
     assert rel(layer.fast_product(x, gated=True), torch.nn.functional.silu(gate) * up) < 0.05
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_per_token_quantization_kernel_matches_its_reference(gated):
+    """kernels/fp8_quant.quantize_rows against the PyTorch ops: the same scales and fp8 values (on the GPU bit for
+    bit; Triton 3.6's interpreter loses the carry where a value rounds up to the next power of two, and its
+    sigmoid differs in the last bit, so on the CPU: those values aside, and the gated scales to float32's
+    precision). Rows of very different sizes, a row of zeros, rows longer than one pass of the kernel."""
+    from llm_anatomy.kernels.fp8_quant import BLOCK, FP8_MAX, quantize_rows, quantize_rows_reference
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    k = BLOCK + 300
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 2 * k if gated else k, generator=g) * torch.logspace(-4, 3, 6)[:, None]
+    x[3] = 0
+    x = x.to(dtype).to(DEVICE)
+    q, scale = quantize_rows(x, gated)
+    want_q, want_scale = quantize_rows_reference(x, gated)
+    assert q.shape == want_q.shape == (6, k) and q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)
+    assert torch.equal(q[3].float(), torch.zeros(k, device=DEVICE))
+    if DEVICE.type == "cuda":
+        assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        return
+    if gated:
+        assert torch.allclose(scale, want_scale, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(scale, want_scale)
+    mantissa = (want_q.float().abs() / 2 ** want_q.float().abs().log2().floor()).nan_to_num(0)
+    checked = (mantissa != 1.0) & (want_q.float().abs() < FP8_MAX)  # no carry to judge
+    assert checked.float().mean() > 0.8
+    assert (q.float() == want_q.float())[checked].float().mean() > 0.99
+    assert (q.float().abs().amax(dim=1)[[0, 1, 2, 4, 5]] == FP8_MAX).all()  # each row's largest maps to 448
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_mlp_hands_the_down_projection_quantized_rows():
+    """A prefill's fp8 MLP in bf16: gate_up's W8A8 product leaves SiLU(gate) * up quantized per token (quant.Fp8Rows,
+    never written in bf16) and down_proj multiplies it as it is, the same as quantizing that activation with the
+    PyTorch ops and multiplying; within activation-quantization error of the exact product."""
+    from llm_anatomy.engine.plan import ExecutionPlan
+    from llm_anatomy.kernels.fp8_quant import quantize_rows_reference
+    from llm_anatomy.models.config import ModelConfig
+    from llm_anatomy.models.quant import Fp8Rows, quantize_linear_layers
+    from llm_anatomy.models.qwen3 import MLP
+
+    torch.manual_seed(0)
+    config = ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 512, "intermediate_size": 768,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "head_dim": 128, "max_position_embeddings": 64})
+    mlp = MLP(config).to(DEVICE, torch.bfloat16)
+    quantize_linear_layers(mlp)
+    x = torch.randn(40, 512, device=DEVICE, dtype=torch.bfloat16)
+    act = mlp._fast_activation(x, ExecutionPlan(kernels=True))
+    assert isinstance(act, Fp8Rows)
+    gate, up = torch._scaled_mm(*_w8a8_operands(x, mlp.gate_up_proj), out_dtype=torch.bfloat16).chunk(2, dim=-1)
+    want_q, want_scale = quantize_rows_reference(torch.cat([gate, up], dim=-1), gated=True)
+    assert rel(act.values.float(), want_q.float()) < 1e-2 and rel(act.scale, want_scale) < 1e-3
+    out = mlp(x, ExecutionPlan(kernels=True))
+    assert rel(out, mlp(x, ExecutionPlan())) < 0.05
+
+
+def _w8a8_operands(x, layer):
+    from llm_anatomy.kernels.fp8_quant import quantize_rows_reference
+
+    xq, x_scale = quantize_rows_reference(x)
+    return xq, layer.weight.t(), x_scale, layer.weight_scale.view(1, -1)
+
+
 # The fp8 KV cache on a GPU only: Triton 3.6's interpreter rounds float32 -> e4m3 wrongly where the mantissa
 # carries into the exponent (tests/test_kv_cache_fp8.py), so its cache would differ from the reference's.
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"] if DEVICE.type == "cuda" else ["auto"])

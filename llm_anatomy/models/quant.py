@@ -12,7 +12,9 @@ The product, by path:
   those dequantized ones, bit for bit;
 - the fast path, a few rows (decode, up to 16): the fp8 GEMV (kernels/fp8_gemv.py), activations unquantized;
 - the fast path, more rows (prefill), per-channel scales, bf16 on sm_90 or later: W8A8 through torch._scaled_mm
-  with the activations quantized per token (row-wise scaling, scale_a [M, 1] and scale_b [1, N], float32);
+  with the activations quantized per token by one kernel (kernels/fp8_quant.py; row-wise scaling, scale_a [M, 1]
+  and scale_b [1, N], float32). The gated product (gate_up) can hand SiLU(gate) * up on already quantized
+  (Fp8Rows), which the down projection takes as it is: the activation is never written in bf16;
 - elsewhere on the fast path (block scales, fp16/fp32, a GPU before sm_90): the fp8 matmul kernel
   (kernels/fp8_gemv.py), which dequantizes each weight tile in registers and multiplies by bf16 tensor cores.
 """
@@ -20,6 +22,7 @@ The product, by path:
 from __future__ import annotations
 
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -97,11 +100,14 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] | None = None) -> tupl
     return q, scale
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] -> (fp8, float32 scales [M, 1]): one scale per row, computed from that row now."""
-    x32 = x.float()
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+class Fp8Rows(NamedTuple):
+    """Activations quantized per token, for a W8A8 product: fp8 e4m3 values [M, K] and float32 scales [M, 1]."""
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype  # the model dtype they stand for (the product's output dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.values.float() * self.scale).to(self.dtype)
 
 
 @cache
@@ -152,38 +158,51 @@ class Fp8Linear(nn.Module):
         """The reference product: the dequantized weight, an ordinary matmul (the fast path: fast_product)."""
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
-    def fast_product(self, x: torch.Tensor, gated: bool = False, pdl: bool = False) -> torch.Tensor:
-        """The fast path's product (see the module's docstring) of x [rows, K]; with gated (gate_up_proj =
-        [gate; up]) SiLU(x gate^T) * (x up^T), rounded as HF rounds it. The batch-1 streaming GEMV is the model's
-        to choose (qwen3.skinny_product), with the plan. `pdl`: the Triton kernels' launches (kernels/pdl.py)."""
-        y = self._fast(x, gated, pdl) if self.bias is None or not gated else None
+    def fast_product(self, x: torch.Tensor | Fp8Rows, gated: bool = False, pdl: bool = False,
+                     quantized_output: bool = False) -> torch.Tensor | Fp8Rows:
+        """The fast path's product (see the module's docstring) of x [rows, K] (or of rows already quantized,
+        Fp8Rows); with gated (gate_up_proj = [gate; up]) SiLU(x gate^T) * (x up^T), rounded as HF rounds it, and
+        with quantized_output as well, that quantized per token (Fp8Rows) where the product is W8A8. The batch-1 streaming GEMV is the model's to choose (qwen3.skinny_product), with the plan.
+        `pdl`: the Triton kernels' launches (kernels/pdl.py)."""
+        if isinstance(x, Fp8Rows) and not self._w8a8(x.values, x.dtype):
+            x = x.dequantized()
+        y = self._fast(x, gated, pdl, quantized_output) if self.bias is None or not gated else None
         if y is None:
             y = self.forward(x)
             if gated:
                 gate, up = y.chunk(2, dim=-1)
                 return F.silu(gate) * up
             return y
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None or isinstance(y, Fp8Rows) else y + self.bias
 
-    def _fast(self, x: torch.Tensor, gated: bool, pdl: bool) -> torch.Tensor | None:
-        from ..kernels import fp8_gemv, use_kernels
+    def _w8a8(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (self.block is None and dtype == torch.bfloat16 and _rowwise_scaled_mm(x.device)
+                and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
-        if not use_kernels(x.device):
-            return None
-        if fp8_gemv.supports(x, self.weight, self.block):
-            return fp8_gemv.fp8_gemv(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
-        if (self.block is None and x.dtype == torch.bfloat16 and _rowwise_scaled_mm(x.device)
-                and self.in_features % 16 == 0 and self.out_features % 16 == 0):
-            xq, x_scale = quantize_per_token(x)
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
-                                 out_dtype=x.dtype)
-            if not gated:
-                return y
-            gate, up = y.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        if fp8_gemv.supports_matmul(x, self.weight, self.block):
-            return fp8_gemv.fp8_matmul(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
-        return None
+    def _fast(self, x: torch.Tensor | Fp8Rows, gated: bool, pdl: bool, quantized_output: bool
+              ) -> torch.Tensor | Fp8Rows | None:
+        from ..kernels import fp8_gemv, fp8_quant, use_kernels
+        from ..kernels.activation import silu_mul
+
+        if isinstance(x, Fp8Rows):  # W8A8 (fast_product checked)
+            xq, x_scale, dtype = x
+        else:
+            if not use_kernels(x.device):
+                return None
+            if fp8_gemv.supports(x, self.weight, self.block):
+                return fp8_gemv.fp8_gemv(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
+            if not self._w8a8(x, x.dtype):
+                if fp8_gemv.supports_matmul(x, self.weight, self.block):
+                    return fp8_gemv.fp8_matmul(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
+                return None
+            (xq, x_scale), dtype = fp8_quant.quantize_rows(x, pdl=pdl), x.dtype
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
+                             out_dtype=dtype)
+        if not gated:
+            return y
+        if quantized_output:
+            return Fp8Rows(*fp8_quant.quantize_rows(y, gated=True, pdl=pdl), dtype)
+        return silu_mul(y, pdl=pdl)
 
     def weight_bytes(self) -> int:
         """Bytes this layer's weights take: fp8 values, float32 scales and the bias."""

@@ -240,12 +240,16 @@ class MLP(nn.Module):
         """The MLP's output; None where it was added into `residual` (see residual_linear). x may be a
         PendingNorm (see linear)."""
         if plan.kernels:
-            return residual_linear(self._fast_activation(x, plan), self.down_proj, plan, residual)
+            act = self._fast_activation(x, plan)
+            if not isinstance(act, torch.Tensor):  # quantized for the fp8 down projection (quant.Fp8Rows)
+                return self.down_proj.fast_product(act, pdl=plan.pdl)
+            return residual_linear(act, self.down_proj, plan, residual)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def _fast_activation(self, x: torch.Tensor | PendingNorm, plan: ExecutionPlan) -> torch.Tensor:
-        """SiLU(gate) * up, in the gate_up product's kernel where it can be."""
+    def _fast_activation(self, x: torch.Tensor | PendingNorm, plan: ExecutionPlan):
+        """SiLU(gate) * up, in the gate_up product's kernel where it can be; for an fp8 down projection, quantized
+        per token as its W8A8 product takes it, where gate_up's product is W8A8 too (quant.Fp8Rows)."""
         layer = self.gate_up_proj
         w = layer.weight
         if isinstance(x, PendingNorm):  # decode, batch 1: the norm, the GEMV and SiLU*up in one kernel
@@ -257,7 +261,7 @@ class MLP(nn.Module):
         if act is not None:
             return act
         if is_fp8(layer):
-            return layer.fast_product(x, gated=True, pdl=plan.pdl)
+            return layer.fast_product(x, gated=True, pdl=plan.pdl, quantized_output=is_fp8(self.down_proj))
         if matmul.supports_gated(x, w):  # a long prefill: SiLU*up in the GEMM's epilogue
             return matmul.matmul(x, w, matmul.GATED_TILE, gated=True, pdl=plan.pdl)
         return silu_mul(self.gate_up_proj(x), pdl=plan.pdl)
