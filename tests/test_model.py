@@ -192,3 +192,27 @@ def test_prefill_attention_at_its_bucket_length_equals_unpadded():
     assert [prefill_bucket(n) for n in (1, 17, 512, 513, 2048, 2049, 3001, 4097, 8192)] == \
         [16, 32, 512, 640, 2048, 2560, 3072, 5120, 8192]
     assert all(n <= prefill_bucket(n) < 1.25 * n for n in range(513, 20000))
+
+
+def test_short_fresh_prompts_of_one_bucket_are_attended_together():
+    """Fresh prompts whose buckets are equal (and short) go through attention in one call per bucket, each
+    padded by repeating its last row; a prompt after a cached prefix, one alone in its bucket and one past
+    GROUPED_PREFILL_MAX go one at a time: every output as one prompt at a time gives it."""
+    from llm_anatomy.models.attention import GROUPED_PREFILL_MAX, _prefill_attention
+
+    g = torch.Generator().manual_seed(1)
+    lens = (5, 7, 16, 3, 30, 9, GROUPED_PREFILL_MAX + 1, GROUPED_PREFILL_MAX + 2)
+    prefix = (0, 0, 0, 4, 0, 0, 0, 0)
+    tokens, heads, kv_heads, dim = sum(lens), 4, 2, 8
+    q = torch.randn(tokens, heads, dim, generator=g)
+    k, v = torch.randn(2, tokens, kv_heads, dim, generator=g)
+    k_cache, v_cache = torch.randn(2, 64, 4, kv_heads, dim, generator=g)
+    tables = (torch.arange(8 * 8, dtype=torch.int32).view(8, 8) * 7) % 64
+    batch = AttentionBatch(k_cache, v_cache, torch.arange(tokens), True, tables,
+                           torch.tensor([n + p for n, p in zip(lens, prefix)], dtype=torch.int32), lens, prefix)
+    groups, grouped = batch.fresh_groups(q.device)
+    assert grouped == {0, 1, 2, 5} and [rows for rows, *_ in groups] == [16]
+    assert batch.fresh_groups(q.device) is batch.fresh_groups(q.device)  # once a step
+    together = _prefill_attention(q, k, v, k_cache, v_cache, batch, pad=True)
+    alone = _prefill_attention(q, k, v, k_cache, v_cache, batch, pad=False)
+    torch.testing.assert_close(together, alone)

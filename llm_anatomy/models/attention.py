@@ -1,14 +1,15 @@
 """Attention over the paged KV cache: store the new K/V in their slots, then attend.
 
 The batch is a flat list of tokens; `AttentionBatch` says which sequence each belongs to and where its
-context lives. Prefill uses SDPA per sequence (GQA through `enable_gqa`, no repeated KV); decode reads
+context lives. Prefill uses SDPA per sequence, short fresh prompts of one bucket length together (GQA through
+`enable_gqa`, no repeated KV); decode reads
 each sequence's blocks through its block table. A step that mixes the two (chunked prefill) puts its
 decoding sequences first: their single tokens take the decode path together, the rest the prefill path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,36 @@ class AttentionBatch:
     # The fast path's decode attention: context splits and tile, None for its defaults (see plan.DecodeAttentionPlan)
     decode_splits: int | None = None
     decode_block_n: int | None = None
+    _groups: tuple | None = field(default=None, repr=False, compare=False)  # fresh_groups, once a step
+    _prefill: "AttentionBatch | None" = field(default=None, repr=False, compare=False)  # prefill_part, once a step
+
+    def fresh_groups(self, device: torch.device) -> tuple[list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
+                                                          frozenset[int]]:
+        """Fresh prompts (nothing cached) whose bucket lengths (prefill_bucket) are equal and at most
+        GROUPED_PREFILL_MAX, two or more, as groups attended in one call each: per group (its bucket length R,
+        the rows of q/k/v to gather into [G x R] (a prompt's padding repeats its last row: causality hides it),
+        where the real rows sit in that, and their rows in the step); and the sequences grouped. Computed once
+        a step (the indices go up to the device once, not once a layer)."""
+        if self._groups is None:
+            by_bucket: dict[int, list[tuple[int, int, int]]] = {}
+            start = 0
+            for i, (n, prefix) in enumerate(zip(self.query_lens, self.prefix_lens)):
+                rows = prefill_bucket(n)
+                if prefix == 0 and rows <= GROUPED_PREFILL_MAX:
+                    by_bucket.setdefault(rows, []).append((i, start, n))
+                start += n
+            groups, members = [], set()
+            for rows, group in by_bucket.items():
+                if len(group) < 2:
+                    continue
+                gather = [s + min(t, n - 1) for _, s, n in group for t in range(rows)]
+                real = [j * rows + t for j, (_, _, n) in enumerate(group) for t in range(n)]
+                dest = [s + t for _, s, n in group for t in range(n)]
+                groups.append((rows, *(torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+                                       for x in (gather, real, dest))))
+                members.update(i for i, _, _ in group)
+            self._groups = (groups, frozenset(members))
+        return self._groups
 
     @classmethod
     def fresh_prompt(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> "AttentionBatch":
@@ -40,9 +71,12 @@ class AttentionBatch:
 
     def prefill_part(self) -> "AttentionBatch":
         """The sequences after the leading decodes, as a prefill batch of their own."""
-        d = self.num_decodes
-        return AttentionBatch(self.k_cache, self.v_cache, self.slot_mapping[d:], True, self.block_tables[d:],
-                              self.context_lens[d:], self.query_lens[d:], self.prefix_lens[d:])
+        if self._prefill is None:
+            d = self.num_decodes
+            self._prefill = AttentionBatch(self.k_cache, self.v_cache, self.slot_mapping[d:], True,
+                                           self.block_tables[d:], self.context_lens[d:], self.query_lens[d:],
+                                           self.prefix_lens[d:])
+        return self._prefill
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch) -> torch.Tensor:
@@ -95,6 +129,13 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, 
 # fallbacks for shapes it refuses.
 GPU_PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH]
+# Short fresh prompts of one step are attended together, one call per bucket length (fresh_groups): one at a time,
+# the host's ~40 us a call outlasted the GPU's work and 64 prompts of 128 tokens took a prefill step from about
+# 200 to 350 ms (benchmarks/README.md). FlashAttention first for those calls: cuDNN would build a plan for each new
+# number of prompts, a large part of a second each.
+GROUPED_PREFILL_MAX = 1024
+GROUPED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH]
 
 
 def prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
@@ -124,26 +165,53 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def _grouped_attention(q, k, v, out, groups) -> None:
+    """Each group of fresh prompts (AttentionBatch.fresh_groups) in one causal call over [G, heads, R, head_dim]."""
+    for rows, gather, real, dest in groups:
+        g = len(gather) // rows
+        qi, ki, vi = (x.index_select(0, gather).view(g, rows, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        if q.is_cuda:
+            with sdpa_kernel(GROUPED_BACKENDS, set_priority=True):
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+        else:
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+        out.index_copy_(0, dest, oi.transpose(1, 2).reshape(g * rows, *q.shape[1:]).index_select(0, real))
+
+
 def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, pad: bool) -> torch.Tensor:
-    """pad: run each fresh prompt's attention at its bucket's length (see prefill_bucket)."""
+    """pad: run each fresh prompt's attention at its bucket's length (see prefill_bucket), short ones of equal
+    buckets together."""
     out = torch.empty_like(q) if len(batch.query_lens) > 1 else None
+    grouped: frozenset[int] = frozenset()
+    if pad and out is not None:
+        groups, grouped = batch.fresh_groups(q.device)
+        _grouped_attention(q, k, v, out, groups)
     start = 0
     for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
-        if prefix == 0:  # the whole context is new: plain causal attention over the fresh k, v
-            rows = prefill_bucket(n) if pad else n
-            qi, ki, vi = (_padded(x[start:start + n], rows).transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)[:, :, :n]
-        else:  # new tokens after a cached prefix: attend to all of it, causal from the prefix's end
-            total = prefix + n
-            qi = q[start:start + n].transpose(0, 1).unsqueeze(0)
-            ki = gather_context(k_cache, batch.block_tables[i], total, q.dtype).transpose(0, 1).unsqueeze(0)
-            vi = gather_context(v_cache, batch.block_tables[i], total, q.dtype).transpose(0, 1).unsqueeze(0)
-            oi = _attend_after_prefix(qi, ki, vi, prefix)
-        if len(batch.query_lens) == 1:  # cuDNN lays its output out like q, so this is a view, not a copy
-            return oi.squeeze(0).transpose(0, 1)
-        out[start:start + n] = oi.squeeze(0).transpose(0, 1)
+        if i not in grouped:
+            oi = _sequence_attention(q[start:start + n], k[start:start + n], v[start:start + n], k_cache, v_cache,
+                                     batch.block_tables[i], prefix, pad)
+            if out is None:  # cuDNN lays its output out like q, so this is a view, not a copy
+                return oi
+            out[start:start + n] = oi
         start += n
     return out
+
+
+def _sequence_attention(q, k, v, k_cache, v_cache, block_table, prefix: int, pad: bool) -> torch.Tensor:
+    """One sequence's new tokens [n, heads, head_dim] after `prefix` cached ones."""
+    n = len(q)
+    if prefix == 0:  # the whole context is new: plain causal attention over the fresh k, v
+        rows = prefill_bucket(n) if pad else n
+        qi, ki, vi = (_padded(x, rows).transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)[:, :, :n]
+    else:  # new tokens after a cached prefix: attend to all of it, causal from the prefix's end
+        total = prefix + n
+        qi = q.transpose(0, 1).unsqueeze(0)
+        ki = gather_context(k_cache, block_table, total, q.dtype).transpose(0, 1).unsqueeze(0)
+        vi = gather_context(v_cache, block_table, total, q.dtype).transpose(0, 1).unsqueeze(0)
+        oi = _attend_after_prefix(qi, ki, vi, prefix)
+    return oi.squeeze(0).transpose(0, 1)
 
 
 def _attend_after_prefix(q, k, v, prefix: int) -> torch.Tensor:
