@@ -3,7 +3,8 @@
 Batch-1 decode has only KV-heads programs' worth of work per layer, far too few to fill the GPU and read
 the cache at full bandwidth; so each (sequence, KV head) is split into `splits` ranges of the context,
 each program attends its range for all query heads of its GQA group (one tl.dot over the group), and a
-second kernel merges the partial softmaxes (at batch 1 each head in pieces, see merge_chunks). Tokens are
+second kernel merges the partial softmaxes (at batch 1 each head in pieces, see merge_chunks). A batch large
+enough for one split a sequence has nothing to merge: its split kernel writes the output. Tokens are
 gathered through the block table per token, so the tile (BLOCK_N tokens) does not depend on the page size. Only
 each sequence's valid context is read.
 
@@ -76,10 +77,10 @@ def _split_len(ctx, splits, BLOCK_N: tl.constexpr):
 # The block tables' width, the split count and where the step's integers sit change from step to step: no
 # specialising on them, so that an eager step of a new shape does not compile a kernel.
 @triton.jit(do_not_specialize=["stride_tb", "splits"], do_not_specialize_on_alignment=["table_ptr", "ctx_ptr"])
-def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, scale,
-                  stride_qb, stride_qh, stride_tb, stride_slot, stride_head, n_kv_heads, page_size, splits,
-                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, out_ptr, scale,
+                  stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, stride_slot, stride_head, n_kv_heads,
+                  page_size, splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -104,11 +105,21 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
         for n0 in range(start, end, BLOCK_N):
             m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
                                      stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
-        # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
-        base = (b * n_kv_heads * GROUP + heads) * splits + s
-        tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
-        tl.store(ml_ptr + base * 2, m, mask=gmask)
-        tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
+        if DIRECT:  # one split: the output itself, as the merge would make it of one split
+            out = acc / tl.maximum(l, 1e-30)[:, None]
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        else:  # partials: acc [b, head, split, d] unnormalised; ml [b, head, split, 2] = (max, sum)
+            base = (b * n_kv_heads * GROUP + heads) * splits + s
+            tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+            tl.store(ml_ptr + base * 2, m, mask=gmask)
+            tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
+    elif DIRECT:  # a padded row (no context): zeros, as the merge gives it
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kvh * GROUP + g
+        zeros = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], zeros, mask=(g < GROUP)[:, None])
 
 
 @triton.jit
@@ -159,15 +170,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = n_heads // n_kv_heads
     splits = splits or default_splits(batch, n_kv_heads, sm_count(q.device))
     block_n = block_n or BLOCK_N
-    acc = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
-    _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, q.stride(0), q.stride(1),
-        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads, page_size, splits, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty_like(q)
+    direct = splits == 1  # large batches: nothing to merge, the split kernel writes the output
+    acc = torch.empty(0 if direct else batch * n_heads * splits * head_dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(0 if direct else batch * n_heads * splits * 2, dtype=torch.float32, device=q.device)
+    _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads,
+        page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, DIRECT=direct,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages)
+    if direct:
+        return out
     splits_pad = max(2, triton.next_power_of_2(splits))
     chunks = merge_chunks(batch * n_heads, head_dim, sm_count(q.device))
     _decode_attention_merge_kernel[(batch, n_heads, chunks)](
