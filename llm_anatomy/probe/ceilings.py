@@ -13,8 +13,8 @@ Three ceilings bound one LLM call (see `anatomy.Ceilings`):
 `measure` also watches for a device that is not idle (other processes on the GPU, repeats that disagree,
 figures far below the datasheet's) and says why; `load_or_calibrate` keeps idle measurements per device in a
 JSON cache, since they only change with the GPU, its driver, its power limit or the torch build, and never
-caches a busy one. The datasheet table gives the vendor's figures (dense bf16, not the sparsity figure) for
-known GPUs; an unknown GPU or a CPU has none, never a guess.
+caches a busy one. The datasheet figures (dense bf16, not the sparsity figure) come from the project's one GPU
+table (`llm_anatomy.gpus`); an unknown GPU or a CPU has none, never a guess.
 
 Units are decimal throughout: 1 GB/s = 1e9 bytes/s, 1 TFLOP/s = 1e12 FLOP/s.
 """
@@ -41,11 +41,12 @@ import torch.nn.functional as F
 
 from ..anatomy import Ceilings
 from ..disk_cache import cache_file, read_entries, write_entry
+from ..gpus import Gpu, gpu_for_device
 
 __all__ = [
-    "DATASHEETS", "Calibration", "GpuDatasheet", "MatmulRates", "Readings", "busy_reasons", "cache_path",
-    "cached_ceilings", "calibrate", "datasheet_ceilings", "device_key", "device_name", "format_ceilings",
-    "load_or_calibrate", "lookup_datasheet", "matmul_rates", "measure", "other_processes", "spread", "store_ceilings",
+    "Calibration", "MatmulRates", "Readings", "busy_reasons", "cache_path", "cached_ceilings", "calibrate",
+    "datasheet_ceilings", "device_key", "device_name", "format_ceilings", "load_or_calibrate",
+    "matmul_rates", "measure", "other_processes", "spread", "store_ceilings",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,141 +58,6 @@ MAX_SPREAD = 0.15  # repeats whose interquartile range exceeds this fraction of 
 MIN_OF_DATASHEET = 0.4  # a ceiling below this fraction of the datasheet's is suspect
 _GiB = 1 << 30
 _MiB = 1 << 20
-
-# ---------------------------------------------------------------------------------------------------
-# Datasheets
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GpuDatasheet:
-    """One GPU's vendor figures.
-
-    `aliases` are token sets: an entry matches a device name when every token of one alias appears
-    among the name's tokens (upper-cased, split on anything not a letter or digit), and none of
-    `excludes` does. The most specific match (the alias with the most tokens) wins; a tie between
-    two entries is ambiguous and gives no datasheet.
-    """
-
-    key: str
-    name: str
-    aliases: tuple[str, ...]
-    memory_gbps: float  # GB/s, 1e9 bytes per second
-    bf16_dense_tflops: float  # dense bf16 tensor-core rate with fp32 accumulation, no sparsity
-    memory_gb: float
-    source: str
-    excludes: tuple[str, ...] = ()
-
-
-DATASHEETS: tuple[GpuDatasheet, ...] = (
-    GpuDatasheet(
-        "h100-sxm", "NVIDIA H100 SXM5 80GB", ("H100 80GB HBM3", "H100 SXM5 80GB", "H100 SXM 80GB"),
-        3350.0, 989.4, 80.0,
-        "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): 80 GB HBM3, 3.35 TB/s; BF16 Tensor Core "
-        "1,979 TFLOPS with sparsity, so 989 dense (989.4 in the NVIDIA H100 architecture whitepaper)",
-        excludes=("PCIE", "NVL")),
-    GpuDatasheet(
-        "h100-pcie", "NVIDIA H100 PCIe", ("H100 PCIE",),
-        2000.0, 756.5, 80.0,
-        "NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe): 80 GB HBM2e, 2 TB/s; BF16 Tensor Core "
-        "1,513 TFLOPS with sparsity, so 756.5 dense"),
-    GpuDatasheet(
-        "h100-nvl", "NVIDIA H100 NVL", ("H100 NVL",),
-        3900.0, 835.5, 94.0,
-        "NVIDIA H100 Tensor Core GPU datasheet (H100 NVL, per GPU): 94 GB HBM3, 3.9 TB/s; BF16 Tensor "
-        "Core 1,671 TFLOPS with sparsity, so 835.5 dense"),
-    GpuDatasheet(
-        "h200-sxm", "NVIDIA H200 SXM", ("H200", "H200 SXM"),
-        4800.0, 989.4, 141.0,
-        "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): 141 GB HBM3e, 4.8 TB/s; BF16 Tensor Core "
-        "1,979 TFLOPS with sparsity, so 989 dense (the H100 SXM's compute)",
-        excludes=("NVL", "PCIE")),
-    GpuDatasheet(
-        "h200-nvl", "NVIDIA H200 NVL", ("H200 NVL",),
-        4800.0, 835.5, 141.0,
-        "NVIDIA H200 Tensor Core GPU datasheet (H200 NVL): 141 GB HBM3e, 4.8 TB/s; BF16 Tensor Core "
-        "1,671 TFLOPS with sparsity, so 835.5 dense"),
-    GpuDatasheet(
-        "a100-sxm-40gb", "NVIDIA A100 SXM4 40GB", ("A100 SXM4 40GB", "A100 SXM 40GB"),
-        1555.0, 312.0, 40.0,
-        "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM): 40 GB HBM2, 1,555 GB/s; BF16 Tensor "
-        "Core 312 TFLOPS dense (624 with sparsity)"),
-    GpuDatasheet(
-        "a100-sxm-80gb", "NVIDIA A100 SXM4 80GB", ("A100 SXM4 80GB", "A100 SXM 80GB"),
-        2039.0, 312.0, 80.0,
-        "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): 80 GB HBM2e, 2,039 GB/s; BF16 Tensor "
-        "Core 312 TFLOPS dense (624 with sparsity)"),
-    GpuDatasheet(
-        "a100-pcie-40gb", "NVIDIA A100 PCIe 40GB", ("A100 PCIE 40GB",),
-        1555.0, 312.0, 40.0,
-        "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB PCIe): 40 GB HBM2, 1,555 GB/s; BF16 Tensor "
-        "Core 312 TFLOPS dense (624 with sparsity)"),
-    GpuDatasheet(
-        "a100-pcie-80gb", "NVIDIA A100 PCIe 80GB", ("A100 PCIE 80GB",),
-        1935.0, 312.0, 80.0,
-        "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB PCIe): 80 GB HBM2e, 1,935 GB/s; BF16 Tensor "
-        "Core 312 TFLOPS dense (624 with sparsity)"),
-    GpuDatasheet(
-        "l40s", "NVIDIA L40S", ("L40S",),
-        864.0, 362.05, 48.0,
-        "NVIDIA L40S GPU datasheet: 48 GB GDDR6, 864 GB/s; BF16 Tensor Core 362.05 TFLOPS dense "
-        "(733 with sparsity)"),
-    GpuDatasheet(
-        "l4", "NVIDIA L4", ("L4",),
-        300.0, 121.0, 24.0,
-        "NVIDIA L4 Tensor Core GPU datasheet: 24 GB GDDR6, 300 GB/s; BF16 Tensor Core 242 TFLOPS with "
-        "sparsity, so 121 dense"),
-    GpuDatasheet(
-        "rtx-4090", "NVIDIA GeForce RTX 4090", ("RTX 4090",),
-        1008.0, 165.2, 24.0,
-        "NVIDIA Ada Lovelace GPU architecture whitepaper (GeForce RTX 4090): 24 GB GDDR6X, 1,008 GB/s; "
-        "peak BF16 Tensor TFLOPS with FP32 accumulate 165.2 dense (330.4 with sparsity)",
-        excludes=("D", "LAPTOP", "MOBILE")),
-    GpuDatasheet(
-        "b200", "NVIDIA B200", ("B200",),
-        8000.0, 2250.0, 180.0,
-        "NVIDIA DGX B200 / HGX B200 datasheets, per GPU (the 8-GPU system's figures divided by 8): "
-        "1,440 GB HBM3e and 64 TB/s in all, so 180 GB and 8 TB/s; FP16/BF16 Tensor Core 36 PFLOPS "
-        "with sparsity, so 2,250 TFLOPS dense per GPU"),
-    GpuDatasheet(
-        "mi300x", "AMD Instinct MI300X", ("MI300X",),
-        5300.0, 1307.4, 192.0,
-        "AMD Instinct MI300X accelerator data sheet: 192 GB HBM3, 5.3 TB/s peak; peak BF16 matrix "
-        "1,307.4 TFLOPS dense (2,614.9 with sparsity)"),
-)
-
-# Tokens that make any match wrong: a MIG slice has a fraction of the whole GPU's ceilings.
-_GLOBAL_EXCLUDES = frozenset({"MIG"})
-
-
-def _tokens(name: str) -> frozenset[str]:
-    return frozenset(t for t in re.split(r"[^A-Z0-9]+", name.upper()) if t)
-
-
-def lookup_datasheet(name: str | None) -> GpuDatasheet | None:
-    """The table entry for a device name as `torch.cuda.get_device_name()` gives it, or None.
-
-    None when nothing matches, when the name is a MIG slice, or when two entries match equally well.
-    """
-    if not name:
-        return None
-    tokens = _tokens(name)
-    if tokens & _GLOBAL_EXCLUDES:
-        return None
-    best: list[tuple[int, GpuDatasheet]] = []
-    for sheet in DATASHEETS:
-        if tokens & set(sheet.excludes):
-            continue
-        scores = [len(a) for a in map(_tokens, sheet.aliases) if a <= tokens]
-        if scores:
-            best.append((max(scores), sheet))
-    if not best:
-        return None
-    top = max(score for score, _ in best)
-    winners = {sheet.key: sheet for score, sheet in best if score == top}
-    return next(iter(winners.values())) if len(winners) == 1 else None
-
-
 
 # ---------------------------------------------------------------------------------------------------
 # Device identity
@@ -226,6 +92,12 @@ def device_name(device: torch.device | str) -> str:
     if dev.type == "cpu":
         return _cpu_model()
     return dev.type
+
+
+def _datasheet(device: torch.device | str) -> Gpu | None:
+    """The GPU table's entry for this device (by the name torch gives it); None for a CPU or an unknown GPU."""
+    dev = _as_device(device)
+    return gpu_for_device(device_name(dev)) if dev.type == "cuda" else None
 
 
 def _describe(device: torch.device, matmul_dtype: torch.dtype | None = None) -> str:
@@ -678,14 +550,14 @@ def measure(device: torch.device | str, quick: bool = False, *, read_bytes: int 
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
                 torch.cuda.empty_cache()  # give back the buffers' memory
-    sheet = lookup_datasheet(device_name(dev)) if dev.type == "cuda" else None
+    sheet = _datasheet(dev)
     ceilings = Ceilings(
         device=_describe(dev, matmul.dtype if dev.type == "cpu" else None),
         read_gbps=_finite_positive(read),
         gemv_gbps=_finite_positive(gemv),
         matmul_tflops=_finite_positive(matmul.sustained_tflops),
         datasheet_gbps=sheet.memory_gbps if sheet else None,
-        datasheet_tflops=sheet.bf16_dense_tflops if sheet else None,
+        datasheet_tflops=sheet.bf16_tflops if sheet else None,
         datasheet_source=sheet.source if sheet else "",
         measured_at=_now(),
         matmul_burst_tflops=_finite_positive(matmul.burst_tflops),
@@ -693,7 +565,7 @@ def measure(device: torch.device | str, quick: bool = False, *, read_bytes: int 
     seen = [n for n in (others, later) if n is not None]
     of_sheet = {} if sheet is None else {
         "read bandwidth": read / sheet.memory_gbps, "GEMV bandwidth": gemv / sheet.memory_gbps,
-        "sustained matmul rate": matmul.sustained_tflops / sheet.bf16_dense_tflops}
+        "sustained matmul rate": matmul.sustained_tflops / sheet.bf16_tflops}
     readings = Readings(max(seen) if seen else None,
                         {"read": spread(read_times), "GEMV": spread(gemv_times),
                          "sustained matmul": spread(list(matmul.settled_tflops))}, of_sheet)
@@ -708,10 +580,10 @@ def calibrate(device: torch.device | str, quick: bool = False, **sizes) -> Ceili
 def datasheet_ceilings(device: torch.device | str) -> Ceilings:
     """A record with the datasheet's figures only (None where the device has no datasheet)."""
     dev = _as_device(device)
-    sheet = lookup_datasheet(device_name(dev)) if dev.type == "cuda" else None
+    sheet = _datasheet(dev)
     return Ceilings(device=_describe(dev), read_gbps=None, gemv_gbps=None, matmul_tflops=None,
                     datasheet_gbps=sheet.memory_gbps if sheet else None,
-                    datasheet_tflops=sheet.bf16_dense_tflops if sheet else None,
+                    datasheet_tflops=sheet.bf16_tflops if sheet else None,
                     datasheet_source=sheet.source if sheet else "", measured_at="")
 
 
@@ -759,9 +631,9 @@ def _is_fresh(measured_at: str, now: datetime) -> bool:
 
 def _with_current_datasheet(c: Ceilings, device: torch.device) -> Ceilings:
     """Datasheet fields come from this version's table, not from the cache (the table may be fixed)."""
-    sheet = lookup_datasheet(device_name(device)) if device.type == "cuda" else None
+    sheet = _datasheet(device)
     return dataclasses.replace(c, datasheet_gbps=sheet.memory_gbps if sheet else None,
-                               datasheet_tflops=sheet.bf16_dense_tflops if sheet else None,
+                               datasheet_tflops=sheet.bf16_tflops if sheet else None,
                                datasheet_source=sheet.source if sheet else "")
 
 

@@ -49,9 +49,10 @@ def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    from ..gpus import gpus
+
     p = subparsers.add_parser("plan", help="predict TTFT, TPOT, batch and capacity for a Qwen3 size on another GPU")
-    p.add_argument("--gpu", required=True, help="a GPU of the table (h100-sxm, h100-pcie, h200, h20, a100-40gb, "
-                                                "a100-80gb, l40s, l4, b200, rtx-4090)")
+    p.add_argument("--gpu", required=True, help=f"a GPU of the table ({', '.join(gpus())})")
     p.add_argument("--model", required=True, help="a Qwen3 size (Qwen3-0.6B .. Qwen3-32B), hub id or config dir")
     p.add_argument("--context", type=int,
                    help="context limit per sequence, and the context TPOT is predicted at (default 4096, or the "

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from ..errors import AnatomyError
-from .gpus import Gpu, lookup_gpu
+from ..gpus import Gpu, lookup_gpu
 from .grid import KV_CACHE_DTYPES, MAX_BATCH, QUANTIZATIONS, Precision
 from .planner import (DEFAULT_RUNTIME_BYTES, Efficiencies, Hardware, Setup, capacity,
                       default_efficiencies, fit_efficiencies, predict_point)

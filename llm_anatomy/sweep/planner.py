@@ -24,7 +24,7 @@ from ..errors import AnatomyError
 from ..models.config import ModelConfig
 from ..probe.cost import (DEFAULT_SHAPES, KernelShapes, decode_cost, layer_linear_params, layer_norm_params,
                           prefill_cost)
-from .gpus import Gpu
+from ..gpus import Gpu
 from .grid import Precision
 
 SMOOTH_P = 3.0  # the p of the smooth maximum; 3 puts a step at the ridge 26% above either limit

@@ -50,7 +50,7 @@ def _finite(x):
 
 def sweep_hardware(meta: dict) -> Hardware | None:
     """The rates this sweep's efficiencies are fractions of: its GPU's datasheet, else its measured ceilings."""
-    from .gpus import gpus
+    from ..gpus import gpus
 
     gpu = gpus().get(meta.get("gpu") or "")
     if gpu is not None:
@@ -141,7 +141,7 @@ def measured_ridge(series: list[dict]) -> float | None:
 def roofline_rates(meta: dict, precision: Precision) -> tuple[float, float, str] | None:
     """(GB/s, TFLOP/s of the linear layers, which) the anatomy's roofline uses: measured ceilings, else the
     datasheet's; fp8 at the datasheet's fp8 rate scaled as the measured bf16 rate is."""
-    from .gpus import gpus
+    from ..gpus import gpus
 
     c = meta.get("ceilings") or {}
     gbps = c.get("read_gbps") or c.get("datasheet_gbps")

@@ -277,7 +277,7 @@ def run_sweep(grid: Grid, options: SweepOptions, out_dir: Path, *, fresh: bool =
     """Measure every pending point of the grid into out_dir; returns (meta, all records in the file).
     `ceilings` and `telemetry` default to this device's (calibrated or datasheet; NVML when it sees the device)."""
     from ..probe.ceilings import datasheet_ceilings, load_or_calibrate
-    from .gpus import gpu_for_device
+    from ..gpus import gpu_for_device
 
     options.check()
     ident, config, device = identity(options)
