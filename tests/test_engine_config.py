@@ -85,7 +85,7 @@ def test_choose_plan_follows_the_config_on_the_cpu():
 def test_plan_decode_attention_and_tiles():
     attention = DecodeAttentionPlan(short_context=100, short_splits=4, short_block_n=32, long_splits=7)
     assert attention.for_step(1, 100) == (4, 32) and attention.for_step(1, 101) == (7, None)
-    assert attention.for_step(2, 10) == (None, None)
+    assert attention.for_step(2, 10) == attention.for_step(2, 10 ** 5) == (None, attention.batch_block_n)
     from llm_anatomy.kernels.gemv import DEFAULT_TILE, Tile
 
     key = (80, 1024, False, "bfloat16")

@@ -27,12 +27,13 @@ class DecodeAttentionPlan:
     bandwidth; at short contexts most of them would find nothing to do and still cost the step, as would merging
     their partials, so batch 1 runs a second configuration up to `short_context`: `short_splits` splits of
     `short_block_n`-token tiles. Beyond it batch 1 takes `long_splits` splits (about two programs per
-    multiprocessor on an H100/H200); batches take the kernel's default (None). The figures that chose these are
-    in benchmarks/README.md."""
+    multiprocessor on an H100/H200); batches take the kernel's default splits (None) over `batch_block_n`-token
+    tiles. The figures that chose these are in benchmarks/README.md."""
     short_context: int = 2048
     short_splits: int = 16
     short_block_n: int = 64
     long_splits: int = 48
+    batch_block_n: int = 64
 
     def is_short(self, batch_size: int, longest_context: int) -> bool:
         return batch_size == 1 and longest_context <= self.short_context
@@ -41,7 +42,9 @@ class DecodeAttentionPlan:
         """(splits, tile) of a decode step's attention, None for the kernel's defaults."""
         if self.is_short(batch_size, longest_context):
             return self.short_splits, self.short_block_n
-        return (self.long_splits if batch_size == 1 else None), None
+        if batch_size == 1:
+            return self.long_splits, None
+        return None, self.batch_block_n
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from .pdl import gdc_enter
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero row: a tiny scale, zeros
+_FP8_MAX, _MIN_AMAX = tl.constexpr(FP8_MAX), tl.constexpr(MIN_AMAX)  # as the kernel sees them
 BLOCK = 2048  # columns a pass loads at once; a longer row takes several, the second pass finds them in L2
 
 
@@ -40,12 +41,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_x, stride_q, GATED:
     for c0 in range(0, k, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(_row_values(x_row, cols, cols < k, k, GATED)))
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX)
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX), _FP8_MAX)
     for c0 in range(0, k, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < k
         v = tl.div_rn(_row_values(x_row, cols, mask, k, GATED), scale)
-        v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
         tl.store(q_ptr + row * stride_q + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 

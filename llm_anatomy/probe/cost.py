@@ -248,7 +248,8 @@ def decode_cost(c: ModelConfig, dtype: torch.dtype, context_lens: list[int], sha
     """A decode step: one new token for each sequence, attending to its context (the new token included)."""
     batch = len(context_lens)
     splits = shapes.decode_splits(batch, max(context_lens), c.num_key_value_heads)
-    partials = c.num_hidden_layers * batch * c.num_attention_heads * splits * (c.head_dim + 2) * 4
+    # one split a sequence writes the output itself: no partials (kernels/decode_attention.py)
+    partials = 0 if splits == 1 else c.num_hidden_layers * batch * c.num_attention_heads * splits * (c.head_dim + 2) * 4
     flops = sum(4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n for n in context_lens)
     return _step(c, dtype, batch, batch, flops, sum(context_lens) * shapes.kv_bytes_per_token(c, dtype), partials,
                  shapes)
