@@ -21,7 +21,7 @@ import time
 import types
 from pathlib import Path
 
-from bench_args import Parser, positive_int, positive_ints
+from bench_args import Parser, output_file, positive_int, positive_ints
 
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", type=positive_ints, default=[1, 64, 256, 512])
     ap.add_argument("--prompt-tokens", type=positive_int, default=128)
     ap.add_argument("--output-tokens", type=positive_int, default=128)
-    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--json", type=output_file, help="also write the figures here")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(THIS_CHECKOUT))
     rows = []
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({r['engine_thread_cpu_ms']:.2f}) | {r['event_loop_ms']:.2f} "
               f"| {r['anatomy_ms_per_step']:.2f} | {r['anatomy_ms_per_call']:.1f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
