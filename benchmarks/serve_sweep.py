@@ -1,12 +1,16 @@
-"""Concurrency sweep of `llm-anatomy serve`: N concurrent streams, each a 512-token prompt and 256 output tokens.
+"""Concurrency sweep of `llm-anatomy serve` beside the bare engine, in one run: for each request shape (prompt /
+output tokens) and each level of concurrent streams, the engine alone (generate_many, no HTTP, no anatomy)
+and then the server under a closed loop of that many streams, each sending its next request as soon as the
+last one ends, through the official openai client (retries off, so every failure counts).
 
-For each concurrency level, a closed loop: that many client streams, each sending its next request as soon
-as the last one ends. Clients run in several processes (one Python process parsing thousands of SSE chunks a
-second would itself delay the timestamps). Reported per level: output tokens/s, TTFT / TPOT / ITL
-percentiles as the client sees them, the server's own view from each call's anatomy (TTFT, batch sizes,
-queueing, stalls), and the bare engine (generate_many on the same shapes, no HTTP, no anatomy) beside it.
+Clients run in several processes (one Python process parsing thousands of SSE chunks a second would itself
+delay the timestamps). Reported per level: output tokens/s of both and their ratio, failed requests and why,
+TTFT / TPOT / ITL percentiles as the client sees them, and the server's own view from a sample of the calls'
+anatomies (TTFT, batch sizes, queueing, stalls). `--bench-prompts N` also runs the product's load generator
+(`llm-anatomy bench`) against the same server at the largest level. A short table comes last; --out holds all.
 
-    python3 benchmarks/serve_sweep.py --levels 1,4,16,64 --out sweep.json
+    python3 benchmarks/serve_sweep.py --levels 1,64,256,512 --shapes 128/128,512/256 --requests-per-stream 4 \
+        --out sweep.json
 """
 
 from __future__ import annotations
@@ -43,42 +47,44 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 # ---- client ---------------------------------------------------------------------------------------------------------
-async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int) -> dict:
-    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def _one(client, model: str, ids: list[int], max_tokens: int) -> dict:
+    """One streamed completion through the openai client; a failure is a record with its reason, not a raise."""
     t0 = time.perf_counter()
     times, tokens, anatomy_id = [], None, None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        anatomy_id = r.headers.get("x-anatomy-id")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+    try:
+        raw = await client.completions.with_raw_response.create(
+            model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        anatomy_id = raw.headers.get("x-anatomy-id")
+        async for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].text:
                 times.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+    except Exception as e:  # noqa: BLE001 - counted and reported per level
+        return {"error": f"{type(e).__name__}: {e}"[:200], "start": t0, "end": time.perf_counter(), "tokens": 0}
     t1 = time.perf_counter()
-    ttft = times[0] - t0
-    return {"ttft_s": ttft, "e2e_s": t1 - t0, "tokens": tokens, "chunks": len(times),
-            "tpot_s": (times[-1] - times[0]) / (tokens - 1) if tokens and tokens > 1 else None,
+    if not times or tokens is None:
+        return {"error": "the stream ended without text or usage", "start": t0, "end": t1, "tokens": tokens or 0}
+    return {"ttft_s": times[0] - t0, "e2e_s": t1 - t0, "tokens": tokens, "chunks": len(times),
+            "tpot_s": (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None,
             "itl_s": [b - a for a, b in zip(times, times[1:])], "anatomy_id": anatomy_id, "start": t0, "end": t1}
 
 
 def _client_process(url: str, model: str, streams: list[list[list[int]]], max_tokens: int, start_at: float,
                     out) -> None:
+    import httpx
+    import openai
+
     async def stream_worker(client, queue):
-        results = []
-        for ids in queue:
-            results.append(await _one(client, url, model, ids, max_tokens))
-        return results
+        return [await _one(client, model, ids, max_tokens) for ids in queue]
 
     async def main():
         limits = httpx.Limits(max_connections=len(streams) + 4, max_keepalive_connections=len(streams) + 4)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600,
+                                      http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client:
             # open every stream's connection (and warm the client's code paths) before the clock starts
-            await asyncio.gather(*(client.get(url + "/v1/models") for _ in streams))
+            await asyncio.gather(*(client.models.list() for _ in streams))
             await asyncio.sleep(max(0.0, start_at - time.time()))
             done = await asyncio.gather(*(stream_worker(client, q) for q in streams))
         return [r for rs in done for r in rs]
@@ -105,21 +111,27 @@ def run_level(url: str, model: str, concurrency: int, requests: list[list[int]],
 
 
 # ---- the bare engine ------------------------------------------------------------------------------------------------
-def bare_engine(model: str, levels: list[int], prompt_len: int, max_tokens: int) -> list[dict]:
+def bare_engine(model: str, levels: list[int], shapes: list[tuple[int, int]], settings: dict) -> list[dict]:
+    """Per shape and level: that many prompts at once through generate_many, timed to the last token."""
     import torch
 
     from llm_anatomy import Engine
 
+    longest = max(p + o for p, o in shapes)
     engine = Engine.from_pretrained(model, weights="synthetic", max_num_seqs=max(levels),
-                                    kv_cache_tokens=max(levels) * (prompt_len + max_tokens + 16))
+                                    kv_cache_tokens=max(levels) * (longest + 16), **settings)
     out = []
-    engine.generate_many(prompts(2, prompt_len, 99), max_tokens=8, temperature=0, ignore_eos=True)  # warm
-    for c in levels:
-        batch = prompts(c, prompt_len, 1000 + c)
-        t0 = time.perf_counter()
-        engine.generate_many(batch, max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        wall = time.perf_counter() - t0
-        out.append({"concurrency": c, "output_tok_s": c * max_tokens / wall, "wall_s": wall})
+    for prompt_len, _ in shapes:  # warm each prompt length's path (kernels, attention plans) before timing
+        engine.generate_many(prompts(2, prompt_len, 99), max_tokens=8, temperature=0, ignore_eos=True)
+    for prompt_len, max_tokens in shapes:
+        for c in levels:
+            batch = prompts(c, prompt_len, 1000 + c)
+            t0 = time.perf_counter()
+            engine.generate_many(batch, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            wall = time.perf_counter() - t0
+            out.append({"shape": f"{prompt_len}/{max_tokens}", "concurrency": c,
+                        "output_tok_s": c * max_tokens / wall, "wall_s": wall})
+            print(f"engine {prompt_len}/{max_tokens} c={c}: {out[-1]['output_tok_s']:.0f} tok/s", flush=True)
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -127,13 +139,17 @@ def bare_engine(model: str, levels: list[int], prompt_len: int, max_tokens: int)
 
 
 # ---- the server -----------------------------------------------------------------------------------------------------
+def checkout_env() -> dict:
+    """This process's environment with this checkout first on PYTHONPATH (what the children import)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(THIS_CHECKOUT), os.environ.get("PYTHONPATH"))
+                                                         if p)}
+
+
 def start_server(model: str, port: int, run_dir: Path, max_num_seqs: int, log: Path, extra: list[str]
                  ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "llm_anatomy.cli", "serve", model, "--weights", "synthetic", "--port", str(port),
            "--run-dir", str(run_dir), "--max-num-seqs", str(max_num_seqs), "--log-level", "warning", *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(THIS_CHECKOUT), os.environ.get("PYTHONPATH"))
-                                                       if p)}
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=checkout_env())
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -155,16 +171,21 @@ def metric(url: str, name: str) -> float | None:
     return None
 
 
-def server_view(url: str, records: list[dict]) -> dict:
+def server_view(url: str, records: list[dict], sample: int | None = None) -> dict:
     """What the calls' own anatomies say, from those the server still holds (its store keeps the latest ones: at
-    many streams the first calls of a level may have been rotated out)."""
+    many streams the first calls of a level may have been rotated out, or never built: a busy server drops the
+    oldest unbuilt ones). `sample`: read only the level's last that many (each read has the server build it)."""
     anatomies, missing = [], 0
-    for r in records:
+    records = [r for r in records if r.get("anatomy_id")]
+    for r in records[-sample:] if sample else records:
         response = httpx.get(f"{url}/v1/anatomy/{r['anatomy_id']}", timeout=60)
         if response.status_code == 404:
             missing += 1
             continue
         response.raise_for_status()
+        if "error" in response.json():  # dropped unbuilt by a busy server: there is no anatomy to read
+            missing += 1
+            continue
         anatomies.append(response.json())
     return {"anatomies": len(anatomies), "anatomies_missing": missing, **summarize_anatomies(anatomies)}
 
@@ -201,28 +222,52 @@ def summarize_anatomies(anatomies: list[dict]) -> dict:
 
 
 def render_levels(result: dict) -> str:
-    """The sweep's table (markdown) and what the server said after it."""
+    """The sweep's detailed table (markdown), what the server said after it, and the short table last."""
     def fixed(value, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = [f"{result['model']}, {result['prompt_tokens']} prompt / {result['output_tokens']} output tokens, "
-             f"{result.get('device')}; server start {result['server_start_s']:.0f} s",
-             "| streams | output tok/s | bare engine tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
+    lines = [f"{result['model']}, {result.get('device')}; server start {result['server_start_s']:.0f} s",
+             "| shape | streams | output tok/s | bare engine tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
              "ITL p99 ms | mean batch | J/token | all tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for lv in result["levels"]:
         t, p = lv["ttft_ms"], lv["tpot_ms"]
         lines.append(
-            f"| {lv['concurrency']} | {lv['output_tok_s']:.0f} | {fixed(lv['bare_engine_tok_s'], 0)} | "
+            f"| {lv['shape']} | {lv['concurrency']} | {lv['output_tok_s']:.0f} | {fixed(lv['bare_engine_tok_s'], 0)} | "
             f"{' / '.join(fixed(t[q], 1) for q in (50, 90, 99))} | "
             f"{' / '.join(fixed(p[q], 2) for q in (50, 90, 99))} | "
             f"{fixed(lv['itl_ms'][99], 2)} | {fixed(lv['server'].get('mean_batch'), 1)} | "
             f"{fixed(lv['joules_per_output_token'], 3)} | {lv['all_tokens']} |")
     build = result.get("anatomy_build_ms_mean")
-    lines += [f"anatomy build (off the engine thread): {fixed(build, 1)} ms per call on average",
+    lines += [f"anatomy build (off the engine thread): {fixed(build, 1)} ms per call on average; "
+              f"{fixed(result.get('anatomies_dropped'), 0)} dropped unbuilt",
               f"after the sweep: KV cache usage {result.get('kv_cache_usage_after')}, running "
               f"{result.get('running_after')}, server exit status {result.get('server_exit')}"]
+    bench = result.get("bench")
+    if bench:
+        lines.append(f"llm-anatomy bench at {bench['concurrency']} streams, {bench['num_prompts']} prompts: exit "
+                     f"{bench['exit']}, {fixed(bench.get('output_tok_s'), 0)} tok/s, "
+                     f"errors {(bench.get('errors') or {}).get('count', '-')}")
+    lines += ["", "| level | shape | engine tok/s | server tok/s | ratio | errors | TTFT p50 / p99 ms |",
+              "|---|---|---|---|---|---|---|"]
+    for lv in result["levels"]:
+        engine, served = lv["bare_engine_tok_s"], lv["output_tok_s"]
+        ratio = f"{served / engine:.0%}" if engine else "-"
+        lines.append(f"| {lv['concurrency']} | {lv['shape']} | {fixed(engine, 0)} | {served:.0f} | {ratio} | "
+                     f"{lv['errors']} | {fixed(lv['ttft_ms'][50], 1)} / {fixed(lv['ttft_ms'][99], 1)} |")
     return "\n".join(lines)
+
+
+def shapes_list(text: str) -> list[tuple[int, int]]:
+    """Comma-separated PROMPT/OUTPUT token counts, e.g. 128/128,512/256."""
+    shapes = []
+    for part in text.split(","):
+        prompt, _, output = part.strip().partition("/")
+        if not (prompt.isdigit() and output.isdigit() and int(prompt) > 0 and int(output) > 0):
+            raise argparse.ArgumentTypeError(f"want comma-separated PROMPT/OUTPUT token counts, positive whole "
+                                             f"numbers (e.g. 128/128,512/256), got {text!r}")
+        shapes.append((int(prompt), int(output)))
+    return shapes
 
 
 def port(text: str) -> int:
@@ -234,15 +279,22 @@ def port(text: str) -> int:
 def parse_args(argv: list[str] | None):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen/Qwen3-8B")
-    ap.add_argument("--levels", type=positive_ints, default=[1, 4, 16, 64],
-                    help="concurrent streams at each level, comma-separated (default 1,4,16,64)")
-    ap.add_argument("--prompt-tokens", type=positive_int, default=512)
-    ap.add_argument("--output-tokens", type=positive_int, default=256)
-    ap.add_argument("--waves", type=positive_int, default=2, help="requests per stream at each level (default 2)")
+    ap.add_argument("--levels", type=positive_ints, default=[1, 64, 256, 512],
+                    help="concurrent streams at each level, comma-separated (default 1,64,256,512)")
+    ap.add_argument("--shapes", type=shapes_list, default=[(128, 128), (512, 256)],
+                    help="request shapes, PROMPT/OUTPUT tokens, comma-separated (default 128/128,512/256)")
+    ap.add_argument("--requests-per-stream", type=positive_int, default=4,
+                    help="requests each stream sends in turn at each level (default 4: 2048 requests at 512)")
+    ap.add_argument("--anatomy-sample", type=positive_int, default=64,
+                    help="anatomies read per level for the server's view: the level's last (default 64)")
+    ap.add_argument("--bench-prompts", type=positive_int,
+                    help="then run `llm-anatomy bench` with this many prompts at the largest level, first shape")
     ap.add_argument("--port", type=port, default=8123)
     ap.add_argument("--no-baseline", action="store_true", help="skip the bare-engine comparison")
-    ap.add_argument("--max-num-batched-tokens", type=positive_int, help="passed to the server (default: its own)")
-    ap.add_argument("--mixed-steps", action="store_true", help="passed to the server")
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, help="for the server and the bare engine "
+                                                                        "(default: their own)")
+    ap.add_argument("--mixed-steps", action="store_true", help="for the server and the bare engine")
+    ap.add_argument("--stream-interval", type=positive_int, help="passed to the server (default: its own)")
     ap.add_argument("--out", type=output_file, default=Path("serve_sweep.json"),
                     help="the results (JSON); the server's log and run directory go beside it")
     args = ap.parse_args(argv)
@@ -257,12 +309,57 @@ def parse_args(argv: list[str] | None):
     return args
 
 
+def run_bench(url: str, args, out: Path) -> dict:
+    """The product's load generator against the same server: its exit status and its own figures."""
+    concurrency, (prompt_len, max_tokens) = max(args.levels), args.shapes[0]
+    cmd = [sys.executable, "-m", "llm_anatomy.cli", "bench", url, "--concurrency", str(concurrency),
+           "--num-prompts", str(args.bench_prompts), "--input-tokens", str(prompt_len),
+           "--output-tokens", str(max_tokens), "--json", str(out)]
+    done = subprocess.run(cmd, env=checkout_env(), capture_output=True, text=True)
+    found = {"concurrency": concurrency, "num_prompts": args.bench_prompts, "exit": done.returncode,
+             "command": " ".join(cmd[1:]), "stderr_tail": done.stderr[-2000:]}
+    if done.returncode == 0 and out.is_file():
+        level = json.loads(out.read_text())
+        level = level[0] if isinstance(level, list) else level.get("levels", [level])[0]
+        found.update({k: level.get(k) for k in ("output_tok_s", "requests", "errors", "ttft_ms", "tpot_ms")})
+    return found
+
+
+def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict) -> dict:
+    prompt_len, max_tokens = shape
+    requests = prompts(c * args.requests_per_stream, prompt_len, 2000 + c)
+    energy0 = metric(url, "gpu_energy_joules_total")
+    records, wall = run_level(url, args.model, c, requests, max_tokens)
+    energy1 = metric(url, "gpu_energy_joules_total")
+    ok = [r for r in records if "error" not in r]
+    reasons: dict[str, int] = {}
+    for r in records:
+        if "error" in r:
+            reasons[r["error"]] = reasons.get(r["error"], 0) + 1
+    tokens = sum(r["tokens"] for r in ok)
+    itl = [x for r in ok for x in r["itl_s"]]
+    engine_tok_s = baseline.get((f"{prompt_len}/{max_tokens}", c), {}).get("output_tok_s")
+    return {
+        "shape": f"{prompt_len}/{max_tokens}", "prompt_tokens": prompt_len, "output_tokens": max_tokens,
+        "concurrency": c, "requests": len(records), "errors": len(records) - len(ok), "error_reasons": reasons,
+        "wall_s": wall, "output_tok_s": tokens / wall, "bare_engine_tok_s": engine_tok_s,
+        "server_to_engine": tokens / wall / engine_tok_s if engine_tok_s else None,
+        "all_tokens": bool(ok) and all(r["tokens"] == max_tokens for r in ok),
+        "ttft_ms": {q: pct([r["ttft_s"] * 1e3 for r in ok], q) for q in (50, 90, 99)},
+        "tpot_ms": {q: pct([r["tpot_s"] * 1e3 for r in ok if r["tpot_s"]], q) for q in (50, 90, 99)},
+        "itl_ms": {q: pct([x * 1e3 for x in itl], q) for q in (50, 90, 99)},
+        "joules_per_output_token": (energy1 - energy0) / tokens if energy0 is not None and energy1 and tokens else None,
+        "server": server_view(url, ok, args.anatomy_sample),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     levels = args.levels
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv), "model": args.model,
-              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "levels": []}
+              "shapes": [f"{p}/{o}" for p, o in args.shapes], "requests_per_stream": args.requests_per_stream,
+              "levels": []}
     try:
         import torch
 
@@ -270,48 +367,42 @@ def main(argv: list[str] | None = None) -> None:
         result["torch"] = torch.__version__
     except ImportError:
         pass
-    baseline = {} if args.no_baseline else {b["concurrency"]: b for b in bare_engine(
-        args.model, levels, args.prompt_tokens, args.output_tokens)}
-    result["bare_engine"] = list(baseline.values())
+    settings = {"mixed_steps": args.mixed_steps}
+    if args.max_num_batched_tokens:
+        settings["max_num_batched_tokens"] = args.max_num_batched_tokens
+    bare = [] if args.no_baseline else bare_engine(args.model, levels, args.shapes, settings)
+    result["bare_engine"] = bare
+    baseline = {(b["shape"], b["concurrency"]): b for b in bare}
 
     run_dir = args.out.parent / "serve_run"
     url = f"http://127.0.0.1:{args.port}"
     t_start = time.monotonic()
     extra = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []
     extra += ["--mixed-steps"] if args.mixed_steps else []
+    extra += ["--stream-interval", str(args.stream_interval)] if args.stream_interval else []
+    longest = max(p + o for p, o in args.shapes)
+    extra += ["--kv-cache-tokens", str(max(levels) * (longest + 16))]  # the bare engine's pool, not more
     proc = start_server(args.model, args.port, run_dir, max(levels), args.out.parent / "server.log", extra)
     result["server_start_s"] = time.monotonic() - t_start
     try:
-        run_level(url, args.model, 2, prompts(2, args.prompt_tokens, 7), 16)  # warm the path end to end
-        for c in levels:
-            requests = prompts(c * args.waves, args.prompt_tokens, 2000 + c)
-            energy0 = metric(url, "gpu_energy_joules_total")
-            records, wall = run_level(url, args.model, c, requests, args.output_tokens)
-            energy1 = metric(url, "gpu_energy_joules_total")
-            tokens = sum(r["tokens"] for r in records)
-            itl = [x for r in records for x in r["itl_s"]]
-            level = {
-                "concurrency": c, "requests": len(records), "wall_s": wall, "output_tok_s": tokens / wall,
-                "all_tokens": all(r["tokens"] == args.output_tokens for r in records),
-                "ttft_ms": {q: pct([r["ttft_s"] * 1e3 for r in records], q) for q in (50, 90, 99)},
-                "tpot_ms": {q: pct([r["tpot_s"] * 1e3 for r in records if r["tpot_s"]], q) for q in (50, 90, 99)},
-                "itl_ms": {q: pct([x * 1e3 for x in itl], q) for q in (50, 90, 99)},
-                "joules_per_output_token": (energy1 - energy0) / tokens if energy0 is not None and energy1 else None,
-                "server": server_view(url, records),
-                "bare_engine_tok_s": baseline.get(c, {}).get("output_tok_s"),
-            }
-            result["levels"].append(level)
-            print(f"c={c}: {level['output_tok_s']:.0f} tok/s, TTFT p50 {level['ttft_ms'][50]:.1f} ms, "
-                  f"TPOT p50 {level['tpot_ms'][50]:.2f} ms", flush=True)
+        run_level(url, args.model, 2, prompts(2, args.shapes[0][0], 7), 16)  # warm the path end to end
+        for shape in args.shapes:
+            for c in levels:
+                level = measure_level(url, args, shape, c, baseline)
+                result["levels"].append(level)
+                print(f"server {level['shape']} c={c}: {level['output_tok_s']:.0f} tok/s, {level['errors']} errors, "
+                      f"TTFT p50 {level['ttft_ms'][50] or 0:.1f} ms", flush=True)
+        if args.bench_prompts:
+            result["bench"] = run_bench(url, args, args.out.with_suffix(".bench.json"))
         builds = metric(url, "anatomy_build_seconds_count")
         result["anatomy_build_ms_mean"] = 1e3 * metric(url, "anatomy_build_seconds_sum") / builds if builds else None
+        result["anatomies_dropped"] = metric(url, "anatomies_dropped_total")
         result["kv_cache_usage_after"] = metric(url, "kv_cache_usage_perc")
         result["running_after"] = metric(url, "num_requests_running")
     finally:
         proc.terminate()
         result["server_exit"] = proc.wait(120)
-    args.out.write_text(json.dumps(result, indent=1))
-
+        args.out.write_text(json.dumps(result, indent=1))
     print("\n" + render_levels(result))
 
 

@@ -490,16 +490,25 @@ class Anatomy:
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
+_LEAVES = (str, int, float, bool, type(None))
+
+
 def _plain(x):
     """dataclasses.asdict without its deep copies of every leaf (a served anatomy has thousands of them)."""
+    if type(x) in _LEAVES:
+        return x
     if hasattr(x, "__dataclass_fields__"):
         names = _FIELD_NAMES.get(type(x))
         if names is None:
             names = _FIELD_NAMES[type(x)] = tuple(f.name for f in dataclasses.fields(x))
         return {n: _plain(getattr(x, n)) for n in names}
     if isinstance(x, (list, tuple)):
+        if all(type(v) in _LEAVES for v in x):  # token ids, request ids
+            return list(x)
         return [_plain(v) for v in x]
     if isinstance(x, dict):
+        if all(type(v) in _LEAVES for v in x.values()):  # e.g. co_scheduled: hundreds of ids -> counts
+            return dict(x)
         return {k: _plain(v) for k, v in x.items()}
     return x
 

@@ -283,14 +283,45 @@ def test_check_core_refuses_a_case_longer_than_the_model_before_any_case_runs(sc
     (["--levels", "1,0,4"], "argument --levels: want comma-separated positive whole numbers, got '1,0,4'"),
     (["--levels", ""], "argument --levels:"),
     (["--port", "70000"], "argument --port: want a TCP port, 1..65535, got '70000'"),
-    (["--waves", "0"], "argument --waves: want a positive whole number"),
-    (["--prompt-tokens", "-5"], "argument --prompt-tokens"),
+    (["--requests-per-stream", "0"], "argument --requests-per-stream: want a positive whole number"),
+    (["--requests-per-stream", "1e9"], "argument --requests-per-stream: want a positive whole number"),
+    (["--shapes", "128/0"], "argument --shapes: want comma-separated PROMPT/OUTPUT token counts"),
+    (["--shapes", "128"], "argument --shapes: want comma-separated PROMPT/OUTPUT token counts"),
+    (["--shapes", "128/128,"], "argument --shapes: want comma-separated PROMPT/OUTPUT token counts"),
+    (["--shapes", "-1/5"], "argument --shapes"),
+    (["--anatomy-sample", "0"], "argument --anatomy-sample: want a positive whole number"),
+    (["--bench-prompts", "-3"], "argument --bench-prompts"),
+    (["--stream-interval", "x"], "argument --stream-interval: want a positive whole number"),
     (["--max-num-batched-tokens", "x"], "argument --max-num-batched-tokens: want a positive whole number"),
     (["--out", str(BENCHMARKS)], "argument --out: want a file name"),
     (["--model", "nope"], "unknown model 'nope'"),
 ])
 def test_serve_sweep_refuses_bad_input_with_one_line(scripts, capsys, argv, message):
     assert message in refused(scripts("serve_sweep").main, argv, capsys)
+
+
+# ---- host_overhead.py -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-sizes", "0,64"], "argument --batch-sizes: want comma-separated positive whole numbers"),
+    (["--batch-sizes", "64,"], "argument --batch-sizes"),
+    (["--output-tokens", "0"], "argument --output-tokens: want a positive whole number"),
+    (["--prompt-tokens", "1.5"], "argument --prompt-tokens: want a positive whole number"),
+    (["--json", str(BENCHMARKS)], "argument --json: want a file name"),
+])
+def test_host_overhead_refuses_bad_input_with_one_line(scripts, capsys, argv, message):
+    assert message in refused(scripts("host_overhead").main, argv, capsys)
+
+
+def test_host_overhead_measures_each_part_at_each_batch_size(scripts, tmp_path, capsys):
+    out = tmp_path / "host.json"
+    scripts("host_overhead").main(["--batch-sizes", "1,3", "--prompt-tokens", "5", "--output-tokens", "4",
+                                   "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["batch"] for r in rows] == [1, 3]
+    parts = ("bare_engine_ms", "engine_thread_ms", "engine_thread_cpu_ms", "event_loop_ms", "anatomy_ms_per_call",
+             "anatomy_ms_per_step")
+    assert all(r[p] > 0 for r in rows for p in parts)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("| 3 |")
 
 
 def anatomy(ttft_ms: float, batch: int) -> dict:
@@ -313,22 +344,33 @@ def test_serve_sweep_server_view_skips_anatomies_the_store_rotated_out(scripts, 
     assert view["ttft_ms_p50"] in (10.0, 30.0) and view["mean_batch"] == 6 and view["max_batch"] == 8
     assert view["phases_ms_p50"]["queue"] == 2.0 and view["phases_ms_p50"]["prefill"] == 0.0
     assert sweep.server_view("http://server", [{"anatomy_id": "b"}]) == {"anatomies": 0, "anatomies_missing": 1}
+    last = sweep.server_view("http://server", [{"anatomy_id": i} for i in "abc"], sample=1)  # the level's last only
+    assert (last["anatomies"], last["anatomies_missing"], last["ttft_ms_p50"]) == (1, 0, 30.0)
 
 
 def test_serve_sweep_table(scripts):
     sweep = scripts("serve_sweep")
-    level = {"concurrency": 64, "output_tok_s": 5294.4, "bare_engine_tok_s": 6451.2, "all_tokens": True,
-             "ttft_ms": {50: 653.94, 90: 1558.87, 99: 1574.34}, "tpot_ms": {50: 8.559, 90: 12.337, 99: 12.344},
-             "itl_ms": {50: 6.87, 90: 7.31, 99: 14.2047}, "joules_per_output_token": 0.11631,
-             "server": {"mean_batch": 50.04}}
-    result = {"model": "Qwen/Qwen3-8B", "prompt_tokens": 512, "output_tokens": 256, "device": "NVIDIA H200",
-              "server_start_s": 29.5, "levels": [level, {**level, "concurrency": 512, "bare_engine_tok_s": None,
-                                                          "joules_per_output_token": None, "server": {}}],
-              "anatomy_build_ms_mean": 15.39, "kv_cache_usage_after": 0.0, "running_after": 0.0, "server_exit": -15}
+    level = {"shape": "512/256", "concurrency": 64, "output_tok_s": 5294.4, "bare_engine_tok_s": 6451.2,
+             "all_tokens": True, "errors": 0, "ttft_ms": {50: 653.94, 90: 1558.87, 99: 1574.34},
+             "tpot_ms": {50: 8.559, 90: 12.337, 99: 12.344}, "itl_ms": {50: 6.87, 90: 7.31, 99: 14.2047},
+             "joules_per_output_token": 0.11631, "server": {"mean_batch": 50.04}}
+    result = {"model": "Qwen/Qwen3-8B", "device": "NVIDIA H200", "server_start_s": 29.5,
+              "levels": [level, {**level, "concurrency": 512, "bare_engine_tok_s": None, "errors": 3,
+                                 "joules_per_output_token": None, "server": {}}],
+              "anatomy_build_ms_mean": 15.39, "anatomies_dropped": 12.0, "kv_cache_usage_after": 0.0,
+              "running_after": 0.0, "server_exit": -15,
+              "bench": {"concurrency": 512, "num_prompts": 2000, "exit": 0, "output_tok_s": 14000.4,
+                        "errors": {"count": 0, "reasons": {}}}}
     lines = sweep.render_levels(result).splitlines()
-    assert lines[0] == "Qwen/Qwen3-8B, 512 prompt / 256 output tokens, NVIDIA H200; server start 30 s"
-    assert lines[3] == ("| 64 | 5294 | 6451 | 653.9 / 1558.9 / 1574.3 | 8.56 / 12.34 / 12.34 | 14.20 | 50.0 | "
-                        "0.116 | True |")
-    assert lines[4].startswith("| 512 | 5294 | - |") and lines[4].endswith("| 14.20 | - | - | True |")
-    assert lines[5] == "anatomy build (off the engine thread): 15.4 ms per call on average"
+    assert lines[0] == "Qwen/Qwen3-8B, NVIDIA H200; server start 30 s"
+    assert lines[3] == ("| 512/256 | 64 | 5294 | 6451 | 653.9 / 1558.9 / 1574.3 | 8.56 / 12.34 / 12.34 | 14.20 | "
+                        "50.0 | 0.116 | True |")
+    assert lines[4].startswith("| 512/256 | 512 | 5294 | - |") and lines[4].endswith("| 14.20 | - | - | True |")
+    assert lines[5] == "anatomy build (off the engine thread): 15.4 ms per call on average; 12 dropped unbuilt"
+    assert lines[7] == "llm-anatomy bench at 512 streams, 2000 prompts: exit 0, 14000 tok/s, errors 0"
+    # the short table comes last: level, shape, engine and server tok/s, their ratio, errors, TTFT p50 / p99
+    assert lines[-4] == "| level | shape | engine tok/s | server tok/s | ratio | errors | TTFT p50 / p99 ms |"
+    assert lines[-2] == "| 64 | 512/256 | 6451 | 5294 | 82% | 0 | 653.9 / 1574.3 |"
+    assert lines[-1] == "| 512 | 512/256 | - | 5294 | - | 3 | 653.9 / 1574.3 |"
+    assert sweep.shapes_list("128/128, 512/256") == [(128, 128), (512, 256)]
     assert sweep.pct([], 50) is None and sweep.pct([3.0, 1.0, 2.0], 50) == 2.0

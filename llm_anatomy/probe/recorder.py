@@ -24,21 +24,41 @@ from .energy import PowerModel, counter_updates, span_energy, update_period_ms
 from .telemetry import RawSample
 
 
-@dataclass
+@dataclass(eq=False)
 class StepMeasure:
     """What is measured once per step, however many traced requests share it: its device interval
-    (torch.cuda.Events, or host ns on the CPU, where the host is the device) and its cost."""
+    (torch.cuda.Events, or host ns on the CPU, where the host is the device), its cost, and (computed once, when
+    the first anatomy that needs it is built) who was in it and how that changed since an earlier step. Each
+    request's record refers to this one object, so per-step facts cost O(batch) once, never once per request."""
 
     start: object = None
     end: object = None
     _ms: float | None = None
     cost: Cost | None = None
     _ids: frozenset[str] | None = None
+    _requests: list[str] | None = None
+    _changes: dict[int, tuple[list[str], list[str]]] = field(default_factory=dict)
 
     def ids(self, step: Step) -> frozenset[str]:
         if self._ids is None:
             self._ids = frozenset(s.request_id for s in step.seqs)
         return self._ids
+
+    def requests(self, step: Step) -> list[str]:
+        """The step's request ids in batch order (one list, shared by every anatomy that names them)."""
+        if self._requests is None:
+            self._requests = [s.request_id for s in step.seqs]
+        return self._requests
+
+    def changes_since(self, step: Step, before: "StepRecord") -> tuple[list[str], list[str]]:
+        """(joined, left): the requests in this step and not in `before`'s, and the reverse, sorted. For a
+        request in both steps these are exactly its batch's changes; computed once per pair of steps."""
+        key = before.step.index
+        found = self._changes.get(key)
+        if found is None:
+            now, then = self.ids(step), before.timing.ids(before.step)
+            found = self._changes[key] = (sorted(now - then), sorted(then - now))
+        return found
 
     def ms(self) -> float:
         if self._ms is None:
@@ -50,9 +70,10 @@ class StepMeasure:
         return self._ms
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
-    """One step, seen by one request in it: kept small, since a step of a batch of 64 makes 64 of these."""
+    """One step, seen by one request in it: a reference to the step and its shared measure, and where the
+    request sits in it (a step of a batch of 512 makes 512 of these, so nothing else is kept per request)."""
 
     step: Step
     position: int  # of this request in step.seqs
@@ -67,8 +88,10 @@ class StepRecord:
     def batch_size(self) -> int:
         return len(self.step.seqs)
 
-    def others(self) -> frozenset[str]:
-        return self.timing.ids(self.step) - {self.step.seqs[self.position].request_id}
+    def others(self) -> list[str]:
+        """The other requests in this step, sorted."""
+        me = self.step.seqs[self.position].request_id
+        return sorted(r for r in self.timing.ids(self.step) if r != me)
 
 
 @dataclass
@@ -123,21 +146,23 @@ class Recorder:
     def on_launch(self, step: Step) -> None:
         if not self.traces:
             return
-        traces = self.traces
-        mine = [(i, s) for i, s in enumerate(step.seqs) if s.request_id in traces and not s.finished]
+        traces, finished = self.traces, Status.FINISHED
+        timing = StepMeasure()
+        # one pass, one small record per traced request: a reference to the step and its shared measure
+        mine = [(trace, seq, StepRecord(step, i, timing)) for i, seq in enumerate(step.seqs)
+                if (trace := traces.get(seq.request_id)) is not None and seq.status is not finished]
         # A prefill step holds back every running request not in it: that is who slowed them down.
         stalled = []
         if step.is_prefill:
-            ids = {s.request_id for s in step.seqs}
+            ids = timing.ids(step)
             stalled = [t for t in traces.values() if t.seq is not None and t.seq.status is Status.RUNNING
                        and t.request_id not in ids]
         if not mine and not stalled:
             return
-        timing = StepMeasure(self._now())
+        timing.start = self._now()
         for trace in stalled:
             trace.stalls.append((step, timing))
-        self._open[step.index] = (timing, [(traces[seq.request_id], seq, StepRecord(step, i, timing))
-                                           for i, seq in mine])
+        self._open[step.index] = (timing, mine)
 
     def on_launched(self, step: Step) -> None:
         opened = self._open.get(step.index)
@@ -148,12 +173,13 @@ class Recorder:
         opened = self._open.pop(step.index, None)
         if opened is None:
             return
+        context_lens, tokens = step.context_lens, step.tokens
         for trace, seq, record in opened[1]:
             # a step launched ahead for a request that had already finished produced nothing for it
-            if seq.num_cached != record.context_len:
+            if seq.num_cached != context_lens[record.position]:
                 continue
             record.kv_tokens = seq.num_cached
-            if step.tokens[record.position] is not None:
+            if tokens[record.position] is not None:
                 trace.steps.append(record)
             elif not trace.steps:  # a chunk of its prompt (later ones, recomputing after a preemption, show
                 trace.chunks.append(record)  # in the inter-token latency of the step after them)
@@ -279,7 +305,7 @@ def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings,
     device_ms = sum(rec.device_ms(x) for x in records)
     wall_ms = (r.step.t_sampled_ns - records[0].step.t_start_ns) / 1e6
     line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
-    others = sorted(r.others())  # of the step that completed it: the decode steps' changes start from these
+    others = r.others()  # of the step that completed it: the decode steps' changes start from these
     return PrefillRecord(sum(x.step.num_tokens for x in records), device_ms,
                          sum(x.step.host_work_ns for x in records) / 1e6, rec.clock.ms(records[0].step.t_start_ns),
                          cost.flops, cost.bytes, line.mfu, line.mbu, line, parts,
@@ -295,21 +321,21 @@ def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceiling
     launch-to-end would count the overlap twice.) A step that recomputes the request after a preemption is a
     prefill, and is costed as one."""
     steps, costs = [], []
-    previous_end_ns, before = previous.step.t_end_ns, previous.others()
+    previous_end_ns = previous.step.t_end_ns
     for i, r in enumerate(records, start=1):
         cost = step_cost(engine, r, shapes)
         device_ms = rec.device_ms(r)
         wall_ms = (r.step.t_end_ns - previous_end_ns) / 1e6
         line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
         token = r.step.tokens[r.position]
-        others = r.others()
+        joined, left = r.timing.changes_since(r.step, previous)
         steps.append(DecodeStep(i, rec.clock.ms(previous_end_ns), rec.clock.ms(r.step.t_end_ns), device_ms,
                                 r.step.host_work_ns / 1e6, r.context_len, r.batch_size, token, token_text(token),
                                 cost.flops, cost.bytes, cost.part("kv_read", "bytes"), line.mbu, line.mfu,
-                                line.bound.kind, sorted(others - before), sorted(before - others),
-                                r.step.num_tokens, rec.clock.ms(r.step.t_start_ns), rec.device_start_ms(r)))
+                                line.bound.kind, joined, left, r.step.num_tokens, rec.clock.ms(r.step.t_start_ns),
+                                rec.device_start_ms(r)))
         previous_end_ns = r.step.t_end_ns
-        before = others
+        previous = r
         costs.append(cost)
     return steps, costs
 
@@ -351,16 +377,31 @@ def kv_record(engine, rec: RequestTrace, seq: Sequence) -> KVCacheRecord:
         full_context=engine.max_model_len)
 
 
+def co_scheduled(rec: RequestTrace) -> dict[str, int]:
+    """Other request id -> steps it shared with this one (of those that made this one's tokens), most first.
+    Walks the batch's changes from step to step (each pair's computed once, shared by every request in both), so
+    a request costs the size of its batch plus the changes, not its batch size times its steps."""
+    if not rec.steps:
+        return {}
+    first = rec.steps[0]
+    entered = dict.fromkeys(first.others(), 0)  # other -> index (in rec.steps) of the step it was last seen join
+    shared: dict[str, int] = {}
+    for i in range(1, len(rec.steps)):
+        r = rec.steps[i]
+        joined, left = r.timing.changes_since(r.step, rec.steps[i - 1])
+        for other in left:
+            shared[other] = shared.get(other, 0) + i - entered.pop(other)
+        for other in joined:
+            entered[other] = i
+    for other, since in entered.items():
+        shared[other] = shared.get(other, 0) + len(rec.steps) - since
+    return dict(sorted(shared.items(), key=lambda kv: -kv[1]))
+
+
 def batching_record(rec: RequestTrace, queue_ms: float) -> BatchingRecord:
     sizes = [r.batch_size for r in rec.steps] or [1]
-    shared: dict[str, int] = {}
-    for r in rec.steps:
-        if r.batch_size > 1:
-            for other in r.others():
-                shared[other] = shared.get(other, 0) + 1
-    stalls = [Stall(rec.clock.ms(step.t_start_ns), rec.device_ms(timing), [s.request_id for s in step.seqs],
-                    step.num_tokens) for step, timing in rec.stalls if timing.end is not None]
+    stalls = [Stall(rec.clock.ms(step.t_start_ns), rec.device_ms(timing), timing.requests(step), step.num_tokens)
+              for step, timing in rec.stalls if timing.end is not None]
     return BatchingRecord(queue_ms, max(sizes), sum(sizes) / len(sizes),
                           rec.seq.num_preemptions if rec.seq is not None else 0,
-                          dict(sorted(shared.items(), key=lambda kv: -kv[1])), stalls,
-                          sum(s.gpu_ms for s in stalls))
+                          co_scheduled(rec), stalls, sum(s.gpu_ms for s in stalls))

@@ -40,7 +40,7 @@ log = logging.getLogger("llm_anatomy.server")
 UNHEALTHY_AFTER_FAILED_STEPS = 3  # consecutive failed steps after which /health says the engine cannot serve
 
 
-@dataclass
+@dataclass(slots=True)
 class Progress:
     text: str  # the call's whole output text so far
     tokens: int  # output tokens so far
