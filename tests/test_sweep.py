@@ -352,3 +352,31 @@ def test_a_gpu_sweep_measures_energy_memory_and_validates_itself(tmp_path):
             assert e["uncertainty_j_per_token"] < 0.05 * e["joules_per_token"]
     assert meta["engines"]["bf16-kvauto"]["memory"]["total"] > 0 and meta["gpu"] is not None
     assert summary["leave_one_out"]["available"]
+
+
+def test_a_gpu_engines_record_counts_its_graphs(monkeypatch):
+    """The memory census of an engine on a GPU: its CUDA graphs' bytes come from the engine's GraphRunner (none
+    where it captured no graphs)."""
+    from types import SimpleNamespace
+
+    from llm_anatomy.probe import memory
+
+    seen = []
+    monkeypatch.setattr(memory, "census", lambda device, weights, pool, graphs: seen.append(graphs) or
+                        memory.MemoryCensus.__new__(memory.MemoryCensus))
+    monkeypatch.setattr(run_module.dataclasses, "asdict", lambda census: {"graphs": seen[-1]})
+    pool = SimpleNamespace(total_bytes=10, bytes_per_token=2, capacity_tokens=5, block_size=16)
+    weights = SimpleNamespace(bytes=7, label="synthetic", kind="synthetic", source=None, num_parameters=3)
+    for graphs, want in ((SimpleNamespace(graph_bytes=123), 123), (None, 0)):
+        engine = SimpleNamespace(device=torch.device("cuda"), pool=pool, weights=weights, graphs=graphs,
+                                 max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64, startup_seconds=1.0)
+        assert run_module.engine_record(engine, Precision())["memory"] == {"graphs": want}
+
+
+def test_a_sweep_on_a_known_gpu_reports_against_its_datasheet(tiny, tmp_path):
+    """A sweep whose device the GPU table knows (here: records of the CPU labelled as an H200's) predicts and
+    validates against that GPU: the summary and the HTML are written."""
+    meta, records = sweep(tiny, tmp_path / "out", prompt="8,12", batch="1,2")
+    meta = {**meta, "gpu": "h200"}
+    summary = write_report(tmp_path / "out", meta, records)
+    assert "leave_one_out" in summary and (tmp_path / "out" / HTML_FILE).exists()

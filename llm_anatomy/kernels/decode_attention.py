@@ -50,9 +50,7 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
     page = tl.load(table_ptr + b * stride_tb + tok // page_size, mask=valid, other=0)
     slot = page.to(tl.int64) * page_size + tok % page_size
     offs = slot[:, None] * stride_slot + kvh * stride_head + d[None, :]
-    # An fp8 cache holds its values at scale 1 (rope.py); they convert exactly to q's dtype (fp16 for an fp8 cache:
-    # bf16 took as long as a bf16 cache's twice the bytes)
-    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)  # an fp8 cache: scale 1 (rope.py)
     v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
     if IEEE:  # float32 caches: exact products, not TF32
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -82,8 +80,7 @@ def _split_len(ctx, splits, BLOCK_N: tl.constexpr):
 def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, out_ptr, scale,
                   stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, stride_slot, stride_head, n_kv_heads,
                   page_size, splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP16_DOT: tl.constexpr, DIRECT: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -102,8 +99,6 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
         heads = kvh * GROUP + g
         gmask = g < GROUP
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-        if FP16_DOT:  # an fp8 cache: its tiles convert to fp16 in one instruction a pair, and the dots follow q
-            q = q.to(tl.float16)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -183,8 +178,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads,
         page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        FP16_DOT=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32, DIRECT=direct,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, DIRECT=direct,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out

@@ -3,8 +3,9 @@
 Each program takes one row: it reads the row for its largest magnitude, then again (from L2) to write the fp8 e4m3
 values and the row's float32 scale, amax / 448. With `gated` the row is the gate_up projection's [gate, up] and
 the values quantized are SiLU(gate) * up, rounded to the model dtype as HF rounds them, so that the down
-projection's input never exists in bf16. The bits are those of the PyTorch reference (quantize_rows_reference):
-IEEE division, round to nearest even, values clamped to +-448 first.
+projection's input never exists in bf16. The arithmetic is the PyTorch reference's (quantize_rows_reference):
+IEEE division, round to nearest even, values clamped to +-448 first (PyTorch's CUDA division by a number
+multiplies by its reciprocal, so there a scale can differ in its last bit).
 """
 
 import torch

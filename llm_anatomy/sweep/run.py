@@ -173,8 +173,8 @@ def engine_record(engine, precision: Precision) -> dict:
     pool = engine.pool
     memory = None
     if engine.device.type == "cuda":
-        memory = dataclasses.asdict(census(engine.device, engine.weights.bytes, pool.total_bytes,
-                                           engine.runner.graph_bytes))
+        graphs = engine.graphs.graph_bytes if engine.graphs is not None else 0
+        memory = dataclasses.asdict(census(engine.device, engine.weights.bytes, pool.total_bytes, graphs))
     return {"label": precision.label, "quantization": precision.quantization,
             "kv_cache_dtype": precision.kv_cache_dtype, "kv_bytes_per_token": pool.bytes_per_token,
             "kv_pool_tokens": pool.capacity_tokens, "kv_pool_bytes": pool.total_bytes, "block_size": pool.block_size,
