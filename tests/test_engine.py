@@ -233,8 +233,8 @@ def test_the_engine_never_imports_the_probe():
 
 def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine, monkeypatch):
     """A profiled (eager) decode step must run the attention the CUDA graphs run: the plan's short-context splits
-    and tile for one sequence up to its short_context, its long_splits beyond it, the defaults for batches and
-    prefills."""
+    and tile for one sequence up to its short_context, its long_splits beyond it, the default splits over
+    batch_block_n-token tiles for batches, nothing for prefills."""
     from dataclasses import replace
 
     from llm_anatomy.engine.plan import DecodeAttentionPlan
@@ -258,6 +258,6 @@ def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine,
     short = (attention.short_splits, attention.short_block_n)
     for is_prefill, n, longest, splits, block_n in seen:
         want = (None, None) if is_prefill else short if n == 1 and longest <= 6 else \
-            (attention.long_splits, None) if n == 1 else (None, None)
+            (attention.long_splits, None) if n == 1 else (None, attention.batch_block_n)
         assert (splits, block_n) == want
     assert {s[3] for s in seen if not s[0]} == {attention.short_splits, attention.long_splits, None}

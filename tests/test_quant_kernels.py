@@ -152,7 +152,7 @@ def test_fp8_mlp_hands_the_down_projection_quantized_rows():
     assert isinstance(act, Fp8Rows)
     gate, up = torch._scaled_mm(*_w8a8_operands(x, mlp.gate_up_proj), out_dtype=torch.bfloat16).chunk(2, dim=-1)
     want_q, want_scale = quantize_rows_reference(torch.cat([gate, up], dim=-1), gated=True)
-    assert rel(act.values.float(), want_q.float()) < 2e-2 and rel(act.scale, want_scale) < 1e-3
+    assert rel(act.values.float(), want_q.float()) < 2e-2 and rel(act.scale, want_scale) < 1e-2
     out = mlp(x, ExecutionPlan(kernels=True))
     assert rel(out, mlp(x, ExecutionPlan())) < 0.05
 
