@@ -122,7 +122,7 @@ def test_json_answers_for_every_qwen3_size(capsys):
     assert "Capacity" in text and "Assumptions" in text
 
 
-TRUE = Efficiencies(decode_bw=0.7, decode_mm=0.5, decode_kv=0.6, decode_t0_ms=0.1, decode_seq_ms=0.004,
+TRUE = Efficiencies(decode_bw=0.7, decode_bw_gemv=0.55, decode_bw_gemm=0.6, decode_mm=0.5, decode_kv=0.6, decode_t0_ms=0.1, decode_seq_ms=0.004,
                     prefill_bw=0.5, prefill_mm=0.7, prefill_attn=0.5, prefill_t0_ms=0.5)
 
 
@@ -161,7 +161,7 @@ def test_efficiencies_fitted_to_a_sweep_are_recovered_and_leave_one_out_predicts
     from llm_anatomy.sweep.planner import default_efficiencies
 
     fitted = fit_efficiencies(records, Hardware.of(gpus()["h200"]), None, default_efficiencies())
-    for name in ("decode_bw", "decode_kv", "prefill_mm", "prefill_attn"):
+    for name in ("decode_bw", "decode_bw_gemv", "decode_kv", "prefill_mm", "prefill_attn"):
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=0.03), name
     loo = leave_one_out(meta, records)
     for metric in ("ttft_ms", "tpot_ms", "output_tokens_per_s"):  # a point left out takes its evidence with it

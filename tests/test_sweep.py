@@ -380,3 +380,23 @@ def test_a_sweep_on_a_known_gpu_reports_against_its_datasheet(tiny, tmp_path):
     meta = {**meta, "gpu": "h200"}
     summary = write_report(tmp_path / "out", meta, records)
     assert "leave_one_out" in summary and (tmp_path / "out" / HTML_FILE).exists()
+
+
+def test_an_fp8_points_bytes_are_the_fp8_engines(tiny, tmp_path):
+    """The cost model behind each point's bytes and MBU is its engine's precision: fp8 weights read a byte a
+    parameter (and a scale per row), so an fp8 point's decode step reads the bf16 one's bytes less its linear
+    layers' difference, as the planner's precision shapes count it."""
+    from llm_anatomy.probe.cost import DEFAULT_SHAPES, decode_cost
+    from llm_anatomy.sweep.planner import precision_shapes
+
+    grid = Grid.parse("8", "2", "4", quantization="bf16,fp8")
+    meta, records = run_sweep(grid, options(tiny), tmp_path / "out", ceilings=CEILINGS,
+                              console=Console(file=io.StringIO()))
+    by = {r["precision"]: r for r in records}
+    assert by["bf16"]["status"] == by["fp8"]["status"] == "ok"
+    config = run_module.identity(options(tiny))[1]
+    linear = {name: decode_cost(config, torch.float32, [10, 10], shapes).part("linear", "bytes")
+              for name, shapes in (("bf16", DEFAULT_SHAPES), ("fp8", precision_shapes(Precision("fp8"))))}
+    assert linear["fp8"] < linear["bf16"] / 3  # float32 weights here: a quarter, and the scales
+    saved = by["bf16"]["decode_bytes_per_step"] - by["fp8"]["decode_bytes_per_step"]
+    assert saved == pytest.approx(linear["bf16"] - linear["fp8"], rel=1e-9)

@@ -19,7 +19,7 @@ from ..anatomy import (BatchingRecord, Bound, Stall, Ceilings, DecodeStep, Decod
 from ..engine.events import Step
 from ..engine.scheduler import Sequence, Status
 from .clock import Clock
-from .cost import DEFAULT_SHAPES, Cost, KernelShapes, decode_cost, kv_formula, prefill_cost
+from .cost import Cost, KernelShapes, decode_cost, device_shapes, kv_formula, prefill_cost
 from .energy import PowerModel, counter_updates, span_energy, update_period_ms
 from .telemetry import RawSample
 
@@ -280,9 +280,11 @@ def telemetry(samples: list[RawSample], clock: Clock, available: bool, note: str
                      interval, energy), converted
 
 
-def step_cost(engine, r: StepRecord, shapes: KernelShapes = DEFAULT_SHAPES) -> Cost:
-    """The whole step's work (every sequence in it), as the cost model counts it; computed once per step."""
+def step_cost(engine, r: StepRecord, shapes: KernelShapes | None = None) -> Cost:
+    """The whole step's work (every sequence in it), as the cost model counts it for this engine's device and plan
+    (its precision: fp8 weights read a byte a parameter; `shapes` to give them); computed once per step."""
     if r.timing.cost is None:
+        shapes = shapes or device_shapes(engine.device, engine.plan)
         step = r.step
         if step.is_prefill:
             seqs = [(q, c - q) for q, c in zip(step.query_lens, step.context_lens)]
@@ -293,7 +295,7 @@ def step_cost(engine, r: StepRecord, shapes: KernelShapes = DEFAULT_SHAPES) -> C
 
 
 def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings,
-                   shapes: KernelShapes = DEFAULT_SHAPES) -> PrefillRecord:
+                   shapes: KernelShapes | None = None) -> PrefillRecord:
     """The steps that prefilled the prompt (one, or its chunks then the step that completed it), together.
     FLOPs, bytes and times are those of whole steps: with others in them, theirs too."""
     records = rec.chunks + [r]
@@ -313,7 +315,7 @@ def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings,
 
 
 def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceilings: Ceilings,
-                   token_text, previous: StepRecord, shapes: KernelShapes = DEFAULT_SHAPES
+                   token_text, previous: StepRecord, shapes: KernelShapes | None = None
                    ) -> tuple[list[DecodeStep], list[Cost]]:
     """A step spans its inter-token latency: from the previous token on the host to its own, so that steps tile
     the decode phase and the first starts when the prefill's token is emitted. (With lookahead a step is

@@ -35,7 +35,8 @@ GIB = 1 << 30
 # Qwen3-8B in bf16 on the H200 (docs/sweep.md shows where each comes from). Step overheads: host work per step and
 # per sequence that the device waits for.
 DEFAULT_FRACTIONS = {
-    "decode_bw": (0.89, "read"), "decode_mm": (0.81, "matmul"), "decode_kv": (0.76, "read"),
+    "decode_bw": (0.89, "read"), "decode_bw_gemv": (0.80, "read"), "decode_bw_gemm": (0.75, "read"),
+    "decode_mm": (0.81, "matmul"), "decode_kv": (0.76, "read"),
     "prefill_bw": (0.59, "read"), "prefill_mm": (0.80, "matmul"), "prefill_attn": (0.77, "matmul"),
 }
 DEFAULT_OVERHEADS_MS = {"decode_t0_ms": 0.002, "decode_seq_ms": 0.0001, "prefill_t0_ms": 0.13}
@@ -44,7 +45,13 @@ DEFAULT_OVERHEADS_MS = {"decode_t0_ms": 0.002, "decode_seq_ms": 0.0001, "prefill
 DEFAULT_CEILING_FRACTIONS = {"read": 0.93, "matmul": 0.80}
 # The CUDA context and libraries beside the engine's tensors (the memory census's context_and_other on the H200).
 DEFAULT_RUNTIME_BYTES = 0.82e9
-DECODE = ("decode_bw", "decode_mm", "decode_kv", "decode_t0_ms", "decode_seq_ms")
+DECODE = ("decode_bw", "decode_bw_gemv", "decode_bw_gemm", "decode_mm", "decode_kv", "decode_t0_ms", "decode_seq_ms")
+# A decode step reads its weights through one of three kernels, each with its own efficiency (decode_bw,
+# decode_bw_gemv, decode_bw_gemm): one sequence the streaming GEMV, up to GEMV_ROWS the GEMV kernel
+# (kernels/gemv.py and fp8_gemv.py: MAX_ROWS), more a GEMM (cuBLAS). The fp8 GEMV at 8 rows read its weights at a
+# third of the streaming kernel's rate on the H200 (benchmarks/README.md): one efficiency for all could not
+# predict both.
+GEMV_ROWS = 16
 PREFILL = ("prefill_bw", "prefill_mm", "prefill_attn", "prefill_t0_ms")
 BOUNDS = {"decode_t0_ms": (1e-4, 1e3), "decode_seq_ms": (1e-6, 10.0), "prefill_t0_ms": (1e-4, 1e3)}
 EFFICIENCY_BOUNDS = (0.01, 1.5)
@@ -74,7 +81,9 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Efficiencies:
-    decode_bw: float
+    decode_bw: float  # weights, one sequence
+    decode_bw_gemv: float  # weights, 2..GEMV_ROWS sequences
+    decode_bw_gemm: float  # weights, more
     decode_mm: float
     decode_kv: float
     decode_t0_ms: float
@@ -167,9 +176,17 @@ def _smax(a, b):
     return (a ** SMOOTH_P + b ** SMOOTH_P) ** (1 / SMOOTH_P)
 
 
+def _weights_bw(batch, e: dict):
+    """The weights' efficiency of a decode step of `batch` sequences (a tensor of batches, or a number)."""
+    if isinstance(batch, torch.Tensor):
+        return torch.where(batch <= 1, e["decode_bw"],
+                           torch.where(batch <= GEMV_ROWS, e["decode_bw_gemv"], e["decode_bw_gemm"]))
+    return e["decode_bw"] if batch <= 1 else e["decode_bw_gemv"] if batch <= GEMV_ROWS else e["decode_bw_gemm"]
+
+
 def decode_time(x, e: dict):
     """Decode step ms from decode_features (columns of a tensor, or floats) and efficiencies."""
-    return (e["decode_t0_ms"] + e["decode_seq_ms"] * x[3] + _smax(x[0] / e["decode_bw"], x[1] / e["decode_mm"])
+    return (e["decode_t0_ms"] + e["decode_seq_ms"] * x[3] + _smax(x[0] / _weights_bw(x[3], e), x[1] / e["decode_mm"])
             + x[2] / e["decode_kv"])
 
 
@@ -217,13 +234,15 @@ def _fit(rows: list[tuple], measured: list[float], model, names: tuple[str, ...]
 
 
 def training_rows(records: list[dict], hw: Hardware, quantization: str | None):
-    """The measured steps of `records` as model features: each prefill step, and each point's mean decode step."""
+    """The measured steps of `records` as model features: each prefill step, and each point's mean decode step.
+    A prefill step's time is its device time where there is one: the host runs ahead of the device through a
+    prompt's chunks, so their wall times are launch gaps until the one that waits for all of them."""
     p_rows, p_ms, d_rows, d_ms = [], [], [], []
     for r in records:
         steps = r.get("steps") or {}
         for s in steps.get("prefill", []):
             p_rows.append(prefill_features(s["parts"], hw, quantization))
-            p_ms.append(s["wall_ms"])
+            p_ms.append(s.get("device_ms") or s["wall_ms"])
         d = steps.get("decode")
         if d and d["steps"]:
             d_rows.append(decode_features(d["parts"], d["batch"], hw, quantization))
