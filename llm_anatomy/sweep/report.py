@@ -317,8 +317,11 @@ def _figure(plot: dict) -> go.Figure:
                                  yaxis="y2" if s["axis"] == "y2" else "y",
                                  line=dict(dash=s["dash"]) if s["dash"] else None))
     for line in plot.get("lines", []):
-        fig.add_vline(x=line["x"], line_dash=line["dash"], line_color="#555", annotation_text=line["name"],
-                      annotation_position="top left")
+        fig.add_vline(x=line["x"], line_dash=line["dash"], line_color="#555")
+        # an annotation on a log axis is placed by log10 of its value (a line by the value itself): given to
+        # add_vline, the label sat at 10^66 and the axis stretched to show it
+        fig.add_annotation(x=math.log10(line["x"]) if plot.get("log_x") else line["x"], y=1, yref="paper",
+                           text=line["name"], showarrow=False, xanchor="right", yanchor="top", textangle=-90)
     layout = dict(title=dict(text=plot["title"], x=0.01, font=dict(size=15)), template="plotly_white", height=420,
                   margin=dict(l=70, r=70, t=50, b=50), xaxis=dict(title=plot["x"], type="log" if plot.get("log_x")
                                                                  else "-"),
