@@ -48,9 +48,9 @@ DEFAULT_RUNTIME_BYTES = 0.82e9
 DECODE = ("decode_bw", "decode_bw_gemv", "decode_bw_gemm", "decode_mm", "decode_kv", "decode_t0_ms", "decode_seq_ms")
 # A decode step reads its weights through one of three kernels, each with its own efficiency (decode_bw,
 # decode_bw_gemv, decode_bw_gemm): one sequence the streaming GEMV, up to GEMV_ROWS the GEMV kernel
-# (kernels/gemv.py and fp8_gemv.py: MAX_ROWS), more a GEMM (cuBLAS). The fp8 GEMV at 8 rows read its weights at a
-# third of the streaming kernel's rate on the H200 (benchmarks/README.md): one efficiency for all could not
-# predict both.
+# (kernels/gemv.py and fp8_gemv.py: MAX_ROWS), more a GEMM (cuBLAS). The fp8 GEMV at 8 rows read its weights at
+# less than half the streaming kernel's rate on the H200 (benchmarks/README.md): one efficiency for all could
+# not predict both.
 GEMV_ROWS = 16
 PREFILL = ("prefill_bw", "prefill_mm", "prefill_attn", "prefill_t0_ms")
 BOUNDS = {"decode_t0_ms": (1e-4, 1e3), "decode_seq_ms": (1e-6, 10.0), "prefill_t0_ms": (1e-4, 1e3)}
