@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,16 @@ class StepMeasure:
     _ids: frozenset[str] | None = None
     _requests: list[str] | None = None
     _changes: dict[int, tuple[list[str], list[str]]] = field(default_factory=dict)
+    _lines: dict[tuple[int, int], Roofline] = field(default_factory=dict)
+
+    def roofline_since(self, previous_end_ns: int, ceilings: Ceilings, line: Callable[[], Roofline]) -> Roofline:
+        """The step's roofline over the time since `previous_end_ns` (`line()` computes it): every request in
+        both this step and the one that ended then sees the same one, computed once."""
+        key = (previous_end_ns, id(ceilings))
+        found = self._lines.get(key)
+        if found is None:
+            found = self._lines[key] = line()
+        return found
 
     def ids(self, step: Step) -> frozenset[str]:
         if self._ids is None:
@@ -328,7 +339,8 @@ def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceiling
         cost = step_cost(engine, r, shapes)
         device_ms = rec.device_ms(r)
         wall_ms = (r.step.t_end_ns - previous_end_ns) / 1e6
-        line = roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings)
+        line = r.timing.roofline_since(previous_end_ns, ceilings,
+                                       lambda: roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings))
         token = r.step.tokens[r.position]
         joined, left = r.timing.changes_since(r.step, previous)
         steps.append(DecodeStep(i, rec.clock.ms(previous_end_ns), rec.clock.ms(r.step.t_end_ns), device_ms,
