@@ -13,8 +13,8 @@ The product, by path:
 - the fast path, a few rows (decode, up to 16): the fp8 GEMV (kernels/fp8_gemv.py), activations unquantized;
 - the fast path, more rows (prefill), per-channel scales, bf16 on sm_90 or later: W8A8 through torch._scaled_mm
   with the activations quantized per token by one kernel (kernels/fp8_quant.py; row-wise scaling, scale_a [M, 1]
-  and scale_b [1, N], float32). The gated product (gate_up) can hand SiLU(gate) * up on already quantized
-  (Fp8Rows), which the down projection takes as it is: the activation is never written in bf16;
+  and scale_b [1, N], float32). The gated product (gate_up) can hand on SiLU(gate) * up already quantized
+  (Fp8Rows), which the down projection takes as it is: that activation is never written in bf16;
 - elsewhere on the fast path (block scales, fp16/fp32, a GPU before sm_90): the fp8 matmul kernel
   (kernels/fp8_gemv.py), which dequantizes each weight tile in registers and multiplies by bf16 tensor cores.
 """
@@ -162,8 +162,9 @@ class Fp8Linear(nn.Module):
                      quantized_output: bool = False) -> torch.Tensor | Fp8Rows:
         """The fast path's product (see the module's docstring) of x [rows, K] (or of rows already quantized,
         Fp8Rows); with gated (gate_up_proj = [gate; up]) SiLU(x gate^T) * (x up^T), rounded as HF rounds it, and
-        with quantized_output as well, that quantized per token (Fp8Rows) where the product is W8A8. The batch-1 streaming GEMV is the model's to choose (qwen3.skinny_product), with the plan.
-        `pdl`: the Triton kernels' launches (kernels/pdl.py)."""
+        with quantized_output as well, that quantized per token (Fp8Rows) where the product is W8A8. The batch-1
+        streaming GEMV is the model's to choose (qwen3.skinny_product), with the plan. `pdl`: the Triton kernels'
+        launches (kernels/pdl.py)."""
         if isinstance(x, Fp8Rows) and not self._w8a8(x.values, x.dtype):
             x = x.dequantized()
         y = self._fast(x, gated, pdl, quantized_output) if self.bias is None or not gated else None
