@@ -2,9 +2,9 @@
 
 The batch is a flat list of tokens; `AttentionBatch` says which sequence each belongs to and where its
 context lives. Prefill uses SDPA per sequence, short fresh prompts of one bucket length together (GQA through
-`enable_gqa`, no repeated KV); decode reads
-each sequence's blocks through its block table. A step that mixes the two (chunked prefill) puts its
-decoding sequences first: their single tokens take the decode path together, the rest the prefill path.
+`enable_gqa`, no repeated KV); decode reads each sequence's blocks through its block table. A step that mixes
+the two (chunked prefill) puts its decoding sequences first: their single tokens take the decode path together,
+the rest the prefill path.
 """
 
 from __future__ import annotations
