@@ -19,7 +19,7 @@ from llm_anatomy.gpus import GIB, gpus
 from llm_anatomy.sweep.grid import Precision
 from llm_anatomy.sweep.plan import plan
 from llm_anatomy.sweep.planner import (Efficiencies, Hardware, Setup, decode_features, decode_time, fit_efficiencies,
-                                       kv_bytes_per_token, predict_point, prefill_features, prefill_schedule,
+                                       eager_prefill, kv_bytes_per_token, predict_point, prefill_features, prefill_schedule,
                                        prefill_time, weight_bytes)
 from llm_anatomy.sweep.report import leave_one_out
 
@@ -123,7 +123,8 @@ def test_json_answers_for_every_qwen3_size(capsys):
 
 
 TRUE = Efficiencies(decode_bw=0.7, decode_bw_gemv=0.55, decode_bw_gemm=0.6, decode_mm=0.5, decode_kv=0.6, decode_t0_ms=0.1, decode_seq_ms=0.004,
-                    prefill_bw=0.5, prefill_mm=0.7, prefill_attn=0.5, prefill_t0_ms=0.5)
+                    prefill_bw=0.5, prefill_mm=0.7, prefill_attn=0.5, prefill_t0_ms=0.5,
+                    prefill_eager_ms=2.0)
 
 
 def synthetic_sweep(directory, config: ModelConfig):
@@ -138,7 +139,8 @@ def synthetic_sweep(directory, config: ModelConfig):
                         "seqs": len(seqs), "first_tokens": done} for seqs, done in prefill_schedule(batch, prompt, 8192,
                                                                                                     256)]
             for s in prefill:
-                s["wall_ms"] = prefill_time(prefill_features(s["parts"], hw, None), TRUE.values())
+                s["wall_ms"] = prefill_time(prefill_features(s["parts"], hw, None, eager_prefill(s["seqs"], s["tokens"])),
+                                            TRUE.values())
             parts = decode_cost(config, torch.bfloat16, [prompt + output / 2] * batch).parts
             step = decode_time(decode_features(parts, batch, hw, None), TRUE.values())
             records.append({"key": f"p{prompt}-b{batch}", "status": "ok", "precision": "bf16", "quantization": None,

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import AnatomyError
 from ..gpus import Gpu, lookup_gpu
 from .grid import KV_CACHE_DTYPES, MAX_BATCH, QUANTIZATIONS, Precision
-from .planner import (DEFAULT_RUNTIME_BYTES, GEMV_ROWS, Efficiencies, Hardware, Setup, capacity,
+from .planner import (DEFAULT_RUNTIME_BYTES, GEMV_ROWS, PREFILL_GRAPH_TOKENS, Efficiencies, Hardware, Setup, capacity,
                       default_efficiencies, fit_efficiencies, predict_point)
 
 
@@ -194,7 +194,9 @@ def _assumptions(gpu: Gpu, eff: Efficiencies, precision: Precision, cap: dict, c
     out = [
         f"ttft_ms: the prefill steps of one {prompt_tokens}-token prompt (no queueing, tokenization or network), at "
         f"{v['prefill_mm']:.0%} of the matmul rate for the linear layers, {v['prefill_attn']:.0%} for attention, "
-        f"{v['prefill_bw']:.0%} of the bandwidth for its bytes, {v['prefill_t0_ms']:.3f} ms per step; of {rates}",
+        f"{v['prefill_bw']:.0%} of the bandwidth for its bytes, {v['prefill_t0_ms']:.3f} ms per step and "
+        f"{v['prefill_eager_ms']:.3f} ms more for a step that replays no CUDA graph (several prompts, a chunk, more "
+        f"than {PREFILL_GRAPH_TOKENS} tokens); of {rates}",
         f"tpot_ms: one decode step of {batch} sequence{'s' if batch > 1 else ''} at {context} tokens of context: "
         f"weights at {v['decode_bw']:.0%} of the bandwidth for one sequence ({v['decode_bw_gemv']:.0%} for 2 to "
         f"{GEMV_ROWS}, {v['decode_bw_gemm']:.0%} beyond), KV and activations at {v['decode_kv']:.0%}, the linear layers' "
