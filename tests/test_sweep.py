@@ -362,7 +362,7 @@ def test_a_gpu_engines_record_counts_its_graphs(monkeypatch):
     from llm_anatomy.probe import memory
 
     seen = []
-    monkeypatch.setattr(memory, "census", lambda device, weights, pool, graphs: seen.append(graphs) or
+    monkeypatch.setattr(memory, "census", lambda device, weights, pool, graphs, peak=None: seen.append(graphs) or
                         memory.MemoryCensus.__new__(memory.MemoryCensus))
     monkeypatch.setattr(run_module.dataclasses, "asdict", lambda census: {"graphs": seen[-1]})
     pool = SimpleNamespace(total_bytes=10, bytes_per_token=2, capacity_tokens=5, block_size=16)

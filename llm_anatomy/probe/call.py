@@ -16,7 +16,7 @@ from ..anatomy import Ceilings
 from .ceilings import device_name
 from .clock import Clock
 from .cost import device_shapes
-from .memory import census
+from .memory import engine_census
 from .recorder import (Recorder, RequestTrace, batching_record, decode_records, decode_summary, kv_record,
                        prefill_record, telemetry)
 from .energy import measure_steady_energy
@@ -212,9 +212,7 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
         if share is not None:
             tele.energy.append(share)
     kv = kv_record(engine, rec, rec.seq)
-    graph_bytes = engine.graphs.graph_bytes if engine.graphs is not None else 0
-    memory = census(engine.device, engine.weights.bytes, engine.pool.total_bytes, graph_bytes,
-                    activation_peak)
+    memory = engine_census(engine, activation_peak)
     memory.activation_peak_note = activation_peak_note
     config = engine.config
     notes = list(notes or [])

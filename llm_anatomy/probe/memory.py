@@ -48,3 +48,9 @@ def census_rows(m: MemoryCensus) -> list[tuple[str, int]]:
     return [("weights", m.weights), ("KV pool", m.kv_pool), ("CUDA graphs", m.cuda_graphs),
             ("other tensors", m.other_allocated), ("allocator reserved, free", m.allocator_free),
             ("CUDA context and others", m.context_and_other), ("free", m.free)]
+
+
+def engine_census(engine, activation_peak: int | None = None) -> MemoryCensus:
+    """The census of an engine's device: its weights, its KV pool and its captured CUDA graphs (none: 0 bytes)."""
+    graphs = engine.graphs.graph_bytes if engine.graphs is not None else 0
+    return census(engine.device, engine.weights.bytes, engine.pool.total_bytes, graphs, activation_peak)

@@ -168,13 +168,10 @@ def start_engine(options: SweepOptions, precision: Precision, grid: Grid, device
 
 
 def engine_record(engine, precision: Precision) -> dict:
-    from ..probe.memory import census
+    from ..probe.memory import engine_census
 
     pool = engine.pool
-    memory = None
-    if engine.device.type == "cuda":
-        graphs = engine.graphs.graph_bytes if engine.graphs is not None else 0
-        memory = dataclasses.asdict(census(engine.device, engine.weights.bytes, pool.total_bytes, graphs))
+    memory = dataclasses.asdict(engine_census(engine)) if engine.device.type == "cuda" else None
     return {"label": precision.label, "quantization": precision.quantization,
             "kv_cache_dtype": precision.kv_cache_dtype, "kv_bytes_per_token": pool.bytes_per_token,
             "kv_pool_tokens": pool.capacity_tokens, "kv_pool_bytes": pool.total_bytes, "block_size": pool.block_size,
