@@ -9,15 +9,23 @@ from .pdl import gdc_enter
 
 
 @triton.jit
+def silu_mul_rounded(gate, up):
+    """SiLU(gate) * up in up's dtype (the model's), rounded as HF rounds it: SiLU to the model dtype, then the
+    product. gate may be any float type."""
+    g = gate.to(tl.float32)
+    s = (g * tl.sigmoid(g)).to(up.dtype)
+    return (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     gdc_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
-    s = (g * tl.sigmoid(g)).to(u.dtype)  # SiLU rounds to the model dtype before the product, as in HF
-    tl.store(out_ptr + row * stride_o + cols, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul_rounded(g, u), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import silu_mul_rounded
 from .pdl import gdc_enter
 
 FP8 = torch.float8_e4m3fn
@@ -25,10 +26,9 @@ BLOCK = 2048  # columns a pass loads at once; a longer row takes several, the se
 def _row_values(x_ptr, cols, mask, inter, GATED: tl.constexpr):
     """A row's values at `cols`, float32: the row itself, or SiLU(gate) * up rounded as HF rounds it."""
     if GATED:
-        g = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_ptr + cols, mask=mask, other=0.0)
         u = tl.load(x_ptr + inter + cols, mask=mask, other=0.0)
-        s = (g * tl.sigmoid(g)).to(u.dtype)
-        return (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype).to(tl.float32)
+        return silu_mul_rounded(g, u).to(tl.float32)
     return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import silu_mul_rounded
 from .pdl import gdc_enter
 
 
@@ -112,9 +113,7 @@ def store_rows(y_ptr, acc, acc_up, rm, rn, M, N, stride_ym, GATED: tl.constexpr)
     output and the product to the model dtype."""
     dtype = y_ptr.dtype.element_ty
     if GATED:
-        g = acc.to(dtype).to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
-        y = (s * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        y = silu_mul_rounded(acc.to(dtype), acc_up.to(dtype))
     else:
         y = acc.to(dtype)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))

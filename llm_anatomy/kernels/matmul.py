@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import sm_count
+from .activation import silu_mul_rounded
 from .pdl import gdc_enter
 
 
@@ -85,9 +86,8 @@ def _matmul_kernel(a_desc, b_desc, c_desc, M, N, K,
         off_n = pid_n * BN
         if GATED:
             gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
-            g = gate.to(c_desc.dtype).to(tl.float32)  # HF rounds every product to the model dtype
-            s = (g * tl.sigmoid(g)).to(c_desc.dtype)  # SiLU rounds before the product, as in HF
-            out = (s.to(tl.float32) * up.to(c_desc.dtype).to(tl.float32)).to(c_desc.dtype)
+            # HF rounds every product to the model dtype, then SiLU's output, then theirs
+            out = silu_mul_rounded(gate.to(c_desc.dtype), up.to(c_desc.dtype))
         else:
             out = acc.to(c_desc.dtype)
         c_desc.store([off_m, off_n], out)
