@@ -102,6 +102,19 @@ class SSEBuffer:
         return out
 
 
+async def get_text(session: aiohttp.ClientSession, url: str, what: str,
+                   reasons: dict[int, str] | None = None) -> tuple[str | None, str | None]:
+    """(the body of a GET, None), or (None, why not): an HTTP status (`reasons` words some) or a failed request.
+    `what` names the request in the reason ("GET /metrics")."""
+    try:
+        async with session.get(url) as r:
+            if r.status != 200:
+                return None, (reasons or {}).get(r.status) or f"{what} answered HTTP {r.status}"
+            return await r.text(), None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return None, f"{what} failed: {type(e).__name__}"
+
+
 def _has_output(choice: dict) -> bool:
     if choice.get("text"):
         return True

@@ -14,7 +14,7 @@ from collections import Counter
 import aiohttp
 
 from ..anatomy import Anatomy
-from .client import RequestResult
+from .client import RequestResult, get_text
 from .metrics import distribution_ms
 
 FETCH_CONCURRENCY = 16
@@ -22,15 +22,10 @@ FETCH_CONCURRENCY = 16
 
 async def _fetch(session: aiohttp.ClientSession, base_url: str, anatomy_id: str) -> dict | str:
     """The anatomy's summary (Anatomy.summary()), or why not."""
-    try:
-        async with session.get(f"{base_url}/v1/anatomy/{anatomy_id}") as r:
-            if r.status == 404:
-                return "not in the server's store (older than its --keep-anatomies newest)"
-            if r.status != 200:
-                return f"GET /v1/anatomy answered HTTP {r.status}"
-            text = await r.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-        return f"GET /v1/anatomy failed: {type(e).__name__}"
+    text, why = await get_text(session, f"{base_url}/v1/anatomy/{anatomy_id}", "GET /v1/anatomy",
+                               {404: "not in the server's store (older than its --keep-anatomies newest)"})
+    if text is None:
+        return why
     try:
         return Anatomy.from_json(text).summary()
     except (ValueError, KeyError, TypeError) as e:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from .client import get_text
+
 SETTLE_S = 3.0  # after a level, how long to wait for the server to count its last requests
 PREFIXES = ("llm_anatomy:", "vllm:", "sglang:")  # the first one present is read (ours also has energy)
 
@@ -139,13 +141,9 @@ class ServerWatch:
 
 async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, list[float]] | str:
     """The parsed /metrics, or why not (a string)."""
-    try:
-        async with session.get(base_url + "/metrics") as r:
-            if r.status != 200:
-                return f"GET /metrics answered HTTP {r.status}"
-            text = await r.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-        return f"GET /metrics failed: {type(e).__name__}"
+    text, why = await get_text(session, base_url + "/metrics", "GET /metrics")
+    if text is None:
+        return why
     try:
         return parse(text)
     except (ValueError, TypeError) as e:
