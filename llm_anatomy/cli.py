@@ -90,7 +90,7 @@ def _ceilings(device, no_calibrate: bool, progress) -> tuple:
 def settle_heap() -> None:
     """After start-up: collect once, then exempt everything alive from later collections. A full collection
     walks the ~300k objects start-up leaves (weights' modules, tokenizer, Triton's caches): 221 ms on the H200
-    host (benchmarks/results/2026-11-29_probe_new_length4.json), a pause that would otherwise land in some step."""
+    host (benchmarks/README.md), a pause that would otherwise land in some step."""
     gc.collect()
     gc.freeze()
 
