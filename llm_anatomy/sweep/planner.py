@@ -181,8 +181,8 @@ def prefill_features(parts: dict, hw: Hardware, quantization: str | None, eager:
 
 def eager_prefill(seqs: int, tokens: int, cached: int = 0) -> bool:
     """Whether the engine runs a prefill step eagerly: it replays a captured graph for one fresh prompt of up to
-    PREFILL_GRAPH_TOKENS (engine/graphs.py) only. Eager, the host's launches outlast short steps' device work: on
-    the H200, 8 prompts of 128 tokens took 27.8 ms with fp8 weights where one of 1024 took 15.2."""
+    PREFILL_GRAPH_TOKENS (engine/graphs.py) only. Eager, the host's launches can outlast a short step's device
+    work (the measured difference: docs/sweep.md)."""
     return seqs > 1 or cached > 0 or tokens > PREFILL_GRAPH_TOKENS
 
 
