@@ -261,3 +261,27 @@ def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine,
             (attention.long_splits, None) if n == 1 else (None, attention.batch_block_n)
         assert (splits, block_n) == want
     assert {s[3] for s in seen if not s[0]} == {attention.short_splits, attention.long_splits, None}
+
+
+def test_a_decode_steps_graph_inputs_are_each_sequences_token_position_slot_and_length(engine):
+    """GraphRunner's staging of a decode step, on host tensors: each sequence's newest token, its position (one
+    further when launched ahead), the cache slot of that position and its context length; the rows past the
+    batch padded (slot -1: stored nowhere, length 0)."""
+    from llm_anatomy.engine.graphs import stage_decode_inputs
+
+    seqs = [engine.add_request(ids, engine.sampling_params(max_tokens=4)) for ids in ([3, 1, 4], [1, 5, 9, 2, 6])]
+    while not all(s.output_token_ids for s in seqs):
+        engine.step()
+    for ahead in (False, True):
+        for s in seqs:
+            s.block_table.ensure(s.num_tokens + 1)
+        stage, lens = torch.full((3, 4), 7, dtype=torch.int64), torch.full((4,), 7, dtype=torch.int32)
+        longest = stage_decode_inputs(seqs, ahead, 3, stage, lens)
+        positions = [s.num_tokens - 1 + ahead for s in seqs]
+        assert stage[0, :2].tolist() == [s.last_token for s in seqs]
+        assert stage[1, :2].tolist() == positions
+        assert stage[2, :2].tolist() == [s.block_table.slot(p) for s, p in zip(seqs, positions)]
+        assert lens[:2].tolist() == [p + 1 for p in positions] and longest == max(positions) + 1
+        assert stage[:, 2].tolist() == [0, 0, -1] and lens[2] == 0 and stage[0, 3] == 7  # padded; past rows untouched
+    for s in seqs:
+        engine.abort(s)
