@@ -465,6 +465,20 @@ def section_kernels(ctx) -> dict:
     return out
 
 
+def batch_decode_ms(engine, sequences: int, prompt_tokens: int, new_tokens: int) -> float:
+    """The median host time of a decode step of `sequences` sequences (greedy, prompts of `prompt_tokens`)."""
+    params = engine.sampling_params(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    seqs = [engine.add_request(prompt_ids(prompt_tokens, 10 + i), params) for i in range(sequences)]
+    while not all(s.output_token_ids for s in seqs):
+        engine.step()
+    steps = []
+    while not all(s.finished for s in seqs):
+        t = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(steps)
+
+
 def offline_throughput(engine, sequences: int, prompt_tokens: int, output_tokens: int) -> dict:
     """Output tok/s of `sequences` prompts of random tokens decoded together to `output_tokens` each (greedy,
     ignore_eos), wall clock of generate_many including the prefills, after a warm-up run of the same shape."""
@@ -482,7 +496,7 @@ def offline_throughput(engine, sequences: int, prompt_tokens: int, output_tokens
 
 def section_precision(ctx) -> dict:
     """bf16 beside fp8 (weights quantized at load, per output channel; and the fp8 KV cache), one engine each in
-    turn: batch-1 TPOT at 512 and at 32k context, prefill of 8192 tokens back to back, offline throughput of 512
+    turn: batch-1 TPOT at 512 and at 32k context, a decode step of 8 sequences at 512, prefill of 8192 tokens back to back, offline throughput of 512
     sequences of 128 prompt / 128 output tokens."""
     out = {}
     for name, settings in (("bf16", {}), ("fp8_weights", {"quantization": "fp8"}),
@@ -493,11 +507,12 @@ def section_precision(ctx) -> dict:
         timed_generate(engine, prompt_ids(128), 16)  # warm-up
         row["decode_ctx512"] = timed_generate(engine, prompt_ids(384, 1), 128)
         row["decode_ctx32k"] = timed_generate(engine, prompt_ids(32640, 2), 64)
+        row["decode_batch8_ctx512"] = batch_decode_ms(engine, 8, 384, 64)
         row["prefill_8192_ms"] = prefill_ms(engine, 8192)
         row["throughput_512x128x128"] = offline_throughput(engine, 512, 128, 128)
         out[name] = row
         print(f"  {name}: TPOT {row['decode_ctx512']['tpot_ms']:.3f} ms at 512, "
-              f"{row['decode_ctx32k']['tpot_ms']:.3f} at 32k; prefill 8192 {row['prefill_8192_ms']:.1f} ms; "
+              f"{row['decode_ctx32k']['tpot_ms']:.3f} at 32k, batch 8 {row['decode_batch8_ctx512']:.3f} ms a step; prefill 8192 {row['prefill_8192_ms']:.1f} ms; "
               f"{row['throughput_512x128x128']['output_tok_s']:.0f} output tok/s at 512 sequences", flush=True)
     return out
 

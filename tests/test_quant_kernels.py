@@ -13,7 +13,8 @@ if not use_kernels(DEVICE):
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from llm_anatomy.kernels.fp8_gemv import (Tile, fp8_gemv, fp8_matmul, fp8_matmul_reference, supports,  # noqa: E402
-                                          supports_matmul)
+                                          supports_matmul, supports_w8a8, w8a8_gemv)
+from llm_anatomy.kernels.fp8_quant import quantize_rows_reference  # noqa: E402
 from llm_anatomy.models.quant import Fp8Linear, quantize  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -76,6 +77,56 @@ def test_fp8_layer_fast_path_is_the_kernel_and_falls_back_exactly():
     narrow = Fp8Linear.from_linear(torch.nn.Linear(96, 16).to(DEVICE))  # K the kernel does not take: PyTorch
     y = torch.randn(2, 96, device=DEVICE)
     assert torch.equal(narrow.fast_product(y), narrow(y))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_w8a8_gemv_matches_the_product_of_its_quantized_operands(gated, rows):
+    """The fp8 tensor-core GEMV: quantized rows times quantized weights, each scaled, equal to that product in
+    float32 (N not a multiple of the tile's 64 rows: the masked tail; scales per row of very different sizes)."""
+    q, scale = weights(2 * 40 if gated else 72, 512, None, seed=4)
+    xq, x_scale = quantize_rows_reference(torch.randn(rows, 512, generator=torch.Generator().manual_seed(5))
+                                          * torch.logspace(-2, 1, rows)[:, None])
+    xq, x_scale = xq.to(DEVICE), x_scale.to(DEVICE)
+    assert supports_w8a8(xq, q)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    out = w8a8_gemv(xq, x_scale, q, scale, dtype, gated)
+    ref = fp8_matmul_reference(xq.float() * x_scale, q, scale, None, gated).to(dtype)
+    assert out.shape == ref.shape == (rows, 40 if gated else 72) and out.dtype == dtype
+    assert rel(out, ref) < TOL[dtype]
+
+
+def test_what_the_w8a8_gemv_does_not_take():
+    q, _ = weights(64, 512, None)
+    xq = torch.zeros(2, 512, dtype=torch.float8_e4m3fn, device=DEVICE)
+    assert supports_w8a8(xq, q)
+    assert not supports_w8a8(torch.zeros(17, 512, dtype=torch.float8_e4m3fn, device=DEVICE), q)  # over 16 rows
+    assert not supports_w8a8(xq.float(), q)  # rows not quantized
+    assert not supports_w8a8(xq[:, :384], weights(64, 384, None)[0])  # K not a multiple of 256
+    assert not supports_w8a8(xq, q.float())  # weights not fp8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_layer_decode_rows_are_w8a8_on_the_gpu():
+    """A decode step's few bf16 rows on the fast path (per-channel scales, sm_90+): quantized per token and
+    multiplied by the fp8 tensor-core GEMV, the same as quantizing with the PyTorch ops and multiplying exactly;
+    gate_up can hand on its SiLU(gate) * up quantized."""
+    from llm_anatomy.models.quant import Fp8Rows
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("W8A8 needs sm_90")
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(torch.nn.Linear(1024, 768, bias=False, device=DEVICE, dtype=torch.bfloat16))
+    x = torch.randn(8, 1024, device=DEVICE, dtype=torch.bfloat16)
+    xq, x_scale = quantize_rows_reference(x)
+    want = fp8_matmul_reference(xq.float() * x_scale, layer.weight, layer.weight_scale).bfloat16()
+    assert rel(layer.fast_product(x), want) < 2e-2
+    gate, up = want.float().chunk(2, dim=-1)
+    assert rel(layer.fast_product(x, gated=True), torch.nn.functional.silu(gate) * up) < 2e-2
+    handed = layer.fast_product(x, gated=True, quantized_output=True)
+    assert isinstance(handed, Fp8Rows) and handed.values.shape == (8, 384)
+    assert rel(handed.dequantized(), torch.nn.functional.silu(gate) * up) < 5e-2
 
 
 @pytest.mark.gpu

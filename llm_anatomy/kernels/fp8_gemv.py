@@ -8,6 +8,13 @@ only error is the weights' own. The scales apply to the float32 sums: per output
 block of weight_block_size after each block of columns (the tile's columns are cut into sub-tiles of one scale
 block each). With `gated` the weight is gate_up = [gate; up] and the output SiLU(gate) * up, rounded as HF
 rounds it (gemv.store_rows).
+
+w8a8_gemv is the decode GEMV of per-channel weights where the rows come quantized per token (kernels/fp8_quant.py):
+the e4m3 tiles of both go to the tensor cores as they are, with no conversion in registers, which is what bounds
+the W8A16 kernel above (benchmarks/README.md has the figures). The weight rows are the dot's M side and the
+activation rows, padded to 16, its N side ("swap AB"), so that a 64-row weight tile takes Hopper's warpgroup MMA.
+Each K block's dot starts from zero and is added to float32 sums: Hopper's fp8 MMA accumulates with fewer bits
+than float32, and a dot that carried the sum across all of K would lose them (DeepSeek-V3's technical report).
 """
 
 from __future__ import annotations
@@ -97,6 +104,69 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, stride_xm, stride_wn, str
         if GATED:
             acc_up = acc_up * tl.load(s_ptr + N + rn, mask=rn < N, other=0.0)[None, :]
     store_rows(y_ptr, acc, acc_up, rm, rn, M, N, stride_ym, GATED)
+
+
+# Measured on an H200 for Qwen3-8B's shapes (benchmarks/README.md): 64 weight rows a program; gate_up's two halves
+# take longer K steps, a long K (down_proj) a deeper pipeline.
+W8A8_TILE = Tile(16, 64, 128, 4, 4)
+W8A8_TILE_GATED = Tile(16, 64, 256, 4, 3)
+W8A8_TILE_LONG_K = Tile(16, 64, 128, 4, 8)
+LONG_K = 8192
+
+
+def w8a8_tile(k: int, gated: bool) -> Tile:
+    return W8A8_TILE_GATED if gated else W8A8_TILE_LONG_K if k >= LONG_K else W8A8_TILE
+
+
+@triton.jit
+def _w8a8_block(xq, w_ptr, rn, rk, N, stride_wn):
+    w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=rn[:, None] < N, other=0.0)
+    return tl.dot(w, tl.trans(xq))  # [BLOCK_N, 16], from zero: see the module's docstring
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
+                      K: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, 16], tl.float32)
+    gdc_enter(USE_PDL)  # see pdl.py
+    for k in range(0, K, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        xq = tl.load(xq_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)
+        acc += _w8a8_block(xq, w_ptr, rn, rk, N, stride_wn)
+        if GATED:  # the up rows sit N rows below the gate rows, their scales too
+            acc_up += _w8a8_block(xq, w_ptr, rn + N, rk, 2 * N, stride_wn)
+    x_scale = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[None, :]
+    acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None] * x_scale
+    if GATED:
+        acc_up = acc_up * tl.load(ws_ptr + N + rn, mask=rn < N, other=0.0)[:, None] * x_scale
+    store_rows(y_ptr, tl.trans(acc), tl.trans(acc_up), rm, rn, M, N, stride_ym, GATED)
+
+
+def supports_w8a8(xq: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether w8a8_gemv takes these quantized rows: up to 16, e4m3 like the weight, K a multiple of 256 (the
+    longest K step of the tiles), on a GPU with fp8 tensor cores (or the interpreter)."""
+    return (xq.dim() == 2 and xq.shape[0] <= MAX_ROWS and xq.dtype == FP8 and weight.dtype == FP8
+            and xq.shape[1] == weight.shape[1] and xq.shape[1] % W8A8_TILE_GATED.block_k == 0
+            and xq.stride(1) == 1 and weight.is_contiguous() and _has_fp8(xq.device))
+
+
+def w8a8_gemv(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              dtype: torch.dtype, gated: bool = False, tile: Tile | None = None, pdl: bool = False) -> torch.Tensor:
+    """(xq [M, K] e4m3 x x_scale [M, 1]) @ (weight [N, K] e4m3 x scale [N] per channel)^T -> [M, N] in `dtype`
+    (M <= 16); with gated, weight = [gate; up] and the result SiLU(gate) * up, [M, N / 2]. `pdl`: see pdl.py."""
+    m, k = xq.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    tile = tile or w8a8_tile(k, gated)
+    y = torch.empty(m, n, dtype=dtype, device=xq.device)
+    _w8a8_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
+        xq, x_scale, weight, scale, y, m, n, xq.stride(0), weight.stride(0), y.stride(0), K=k, GATED=gated,
+        USE_PDL=pdl, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, launch_pdl=pdl, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    return y
 
 
 def _sub_k(tile: Tile, block: tuple[int, int] | None) -> int | None:

@@ -129,6 +129,11 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
     for (int p = 0; p < PIECES; ++p)
         nw[p] = HAS_PIECE(p) ? __ldg((const uint4*)(norm_w + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0);
 #endif
+#if FP8  // the row scales are constant too: a thread's first row's, read now, not after its sums (a memory round trip
+         // at the end of the GEMV, which the next one waits for)
+    const float scale0 = tid < mine ? __ldg(w_scale + g0 * ROWS + tid) : 0.f;
+    const float scale0_up = HALVES == 2 && tid < mine ? __ldg(w_scale + n + g0 * ROWS + tid) : 0.f;
+#endif
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the kernel before's output
     float xf[PIECES * 8];
     #pragma unroll
@@ -189,7 +194,7 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
         #pragma unroll
         for (int k = 0; k < CONSUMERS / 32; ++k) a += partial[(k * HALVES) * mine + i];
 #if FP8
-        a *= w_scale[g0 * ROWS + i];
+        a *= i == tid ? scale0 : w_scale[g0 * ROWS + i];
 #endif
         unsigned out;
         if (HALVES == 2) {
@@ -197,7 +202,7 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
             #pragma unroll
             for (int k = 0; k < CONSUMERS / 32; ++k) u += partial[(k * HALVES + 1) * mine + i];
 #if FP8
-            u *= w_scale[n + g0 * ROWS + i];
+            u *= i == tid ? scale0_up : w_scale[n + g0 * ROWS + i];
 #endif
             const float gate = round_bf16(a);
             out = rne(round_bf16(gate / (1.f + __expf(-gate))) * round_bf16(u));

@@ -10,13 +10,15 @@ The product, by path:
 - off the fast path (the CPU, the PyTorch reference): the weight dequantized exactly (fp8 value x scale in float32,
   rounded to the activations' dtype) and an ordinary matmul, so the result is the model whose float weights are
   those dequantized ones, bit for bit;
-- the fast path, a few rows (decode, up to 16): the fp8 GEMV (kernels/fp8_gemv.py), activations unquantized;
-- the fast path, more rows (prefill), per-channel scales, bf16 on sm_90 or later: W8A8 through torch._scaled_mm
-  with the activations quantized per token by one kernel (kernels/fp8_quant.py; row-wise scaling, scale_a [M, 1]
-  and scale_b [1, N], float32). The gated product (gate_up) can hand on SiLU(gate) * up already quantized
-  (Fp8Rows), which the down projection takes as it is: that activation is never written in bf16;
-- elsewhere on the fast path (block scales, fp16/fp32, a GPU before sm_90): the fp8 matmul kernel
-  (kernels/fp8_gemv.py), which dequantizes each weight tile in registers and multiplies by bf16 tensor cores.
+- the fast path, per-channel scales, bf16 on sm_90 or later: W8A8, the activations quantized per token by one
+  kernel (kernels/fp8_quant.py), then a decode step's few rows (up to 16) through the fp8 tensor-core GEMV
+  (fp8_gemv.w8a8_gemv) and more rows (prefill) through torch._scaled_mm (row-wise scaling, scale_a [M, 1] and
+  scale_b [1, N], float32). The gated product (gate_up) can hand on SiLU(gate) * up already quantized (Fp8Rows),
+  which the down projection takes as it is: that activation is never written in bf16 (a batch-1 decode step's
+  GEMVs are the streaming kernel's, kernels/stream_gemv.py, weights alone quantized);
+- elsewhere on the fast path (block scales, fp16/fp32, a GPU before sm_90): W8A16, the fp8 GEMV (up to 16 rows) or
+  matmul kernel (kernels/fp8_gemv.py), which dequantizes each weight tile in registers and multiplies by the
+  unquantized activations on bf16 tensor cores.
 """
 
 from __future__ import annotations
@@ -190,13 +192,16 @@ class Fp8Linear(nn.Module):
         else:
             if not use_kernels(x.device):
                 return None
-            if fp8_gemv.supports(x, self.weight, self.block):
-                return fp8_gemv.fp8_gemv(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
-            if not self._w8a8(x, x.dtype):
+            if not self._w8a8(x, x.dtype):  # W8A16: the weights dequantized in registers
+                if fp8_gemv.supports(x, self.weight, self.block):
+                    return fp8_gemv.fp8_gemv(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
                 if fp8_gemv.supports_matmul(x, self.weight, self.block):
                     return fp8_gemv.fp8_matmul(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
                 return None
             (xq, x_scale), dtype = fp8_quant.quantize_rows(x, pdl=pdl), x.dtype
+        if fp8_gemv.supports_w8a8(xq, self.weight):  # a decode step's few rows
+            y = fp8_gemv.w8a8_gemv(xq, x_scale, self.weight, self.weight_scale, dtype, gated, pdl=pdl)
+            return Fp8Rows(*fp8_quant.quantize_rows(y, pdl=pdl), dtype) if gated and quantized_output else y
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
                              out_dtype=dtype)
         if not gated:
