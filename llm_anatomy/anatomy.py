@@ -487,21 +487,38 @@ class Anatomy:
         return cls.from_dict(json.loads(text))
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
 _LEAVES = (str, int, float, bool, type(None))
+_LEAF_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {}  # per dataclass: (field name, annotated as a leaf)
+
+
+def _is_leaf(hint) -> bool:
+    """float, str | None, ...: a value of this type is plain already."""
+    return all(a in _LEAVES for a in (get_args(hint) if get_origin(hint) is not None else (hint,)))
+
+
+def _field_plan(tp: type) -> tuple[tuple[str, bool], ...]:
+    plan = _LEAF_FIELDS.get(tp)
+    if plan is None:
+        try:
+            hints = get_type_hints(tp)
+        except NameError:  # an annotation this module cannot resolve: every value is looked at
+            hints = {}
+        plan = _LEAF_FIELDS[tp] = tuple((f.name, f.name in hints and _is_leaf(hints[f.name]))
+                                        for f in dataclasses.fields(tp))
+    return plan
 
 
 def _plain(x):
-    """dataclasses.asdict without its deep copies of every leaf (a served anatomy has thousands of them)."""
+    """dataclasses.asdict without its deep copies of every leaf (a served anatomy has thousands of them): a field
+    annotated as a leaf is taken as it is, without looking at its value."""
     if type(x) in _LEAVES:
         return x
     if hasattr(x, "__dataclass_fields__"):
-        names = _FIELD_NAMES.get(type(x))
-        if names is None:
-            names = _FIELD_NAMES[type(x)] = tuple(f.name for f in dataclasses.fields(x))
-        return {n: _plain(getattr(x, n)) for n in names}
+        out = {}
+        for name, leaf in _field_plan(type(x)):
+            value = getattr(x, name)
+            out[name] = value if leaf else _plain(value)
+        return out
     if isinstance(x, (list, tuple)):
         if all(type(v) in _LEAVES for v in x):  # token ids, request ids
             return list(x)

@@ -114,3 +114,48 @@ def test_the_record_defines_its_metrics(measured):
 def test_activation_peak_is_labelled(measured):
     memory = measured.memory
     assert memory.activation_peak is None and "not measured on the host" in memory.activation_peak_note
+
+
+def test_batched_decode_steps_share_step_facts_yet_each_sees_its_own_batch_changes(engine):
+    """Requests that join and leave a batch at different steps: the facts computed once per pair of steps
+    (batch size, step tokens, joined and left, cost, roofline) are those of each request's own previous step, and
+    the record's plain form is dataclasses.asdict's."""
+    import dataclasses
+
+    from llm_anatomy.probe.clock import Clock
+    from llm_anatomy.probe.cost import decode_cost, device_shapes
+    from llm_anatomy.probe.recorder import Recorder, roofline
+
+    recorder = Recorder(Clock(engine.device))
+    engine.observers.append(recorder)
+    t0 = time.perf_counter_ns()
+    seqs, traces, step = {}, {}, 0
+    try:
+        while len(seqs) < 4 or engine.has_work():
+            if step % 2 == 0 and len(seqs) < 4:  # one joins every other step, each wanting a different length
+                rid = f"r{len(seqs)}"
+                traces[rid] = recorder.watch(rid, t0)
+                seqs[rid] = engine.add_request(list(range(5, 9 + len(seqs))), engine.sampling_params(
+                    max_tokens=4 + 2 * len(seqs), temperature=0, ignore_eos=True), request_id=rid)
+            engine.step()
+            step += 1
+    finally:
+        engine.observers.remove(recorder)
+    shapes = device_shapes(engine.device, engine.plan)
+    changed = 0
+    for rid, trace in traces.items():
+        a = build_anatomy(engine, {}, engine.result(seqs[rid]), trace, CEILINGS,
+                          TelemetryWindow([], False, "", 0.0), "", Marks(t0, t0, t0, t0, trace.finished_ns))
+        assert a.to_dict() == dataclasses.asdict(a)
+        for s, r, previous in zip(a.decode_steps, trace.steps[1:], trace.steps):
+            members = {x.request_id for x in r.step.seqs}
+            before = {x.request_id for x in previous.step.seqs}
+            assert (s.joined, s.left) == (sorted(members - before), sorted(before - members))
+            assert s.batch_size == len(r.step.seqs) and s.step_tokens == sum(r.step.query_lens)
+            assert s.context_len == r.step.context_lens[r.position] and s.token_id == r.step.tokens[r.position]
+            if not r.step.is_prefill:
+                cost = decode_cost(engine.config, engine.dtype, r.step.context_lens, shapes=shapes)
+                line = roofline(cost, s.gpu_ms / 1e3, (r.step.t_end_ns - previous.step.t_end_ns) / 1e9, CEILINGS)
+                assert (s.flops, s.bytes, s.mbu, s.bound) == (cost.flops, cost.bytes, line.mbu, line.bound.kind)
+            changed += bool(s.joined or s.left)
+    assert changed  # the batch did change under some request's steps

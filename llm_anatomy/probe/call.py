@@ -145,7 +145,7 @@ def attributed_energy(rec: RequestTrace, energy: list[EnergyRecord], e2e_ms: flo
     call = next((e for e in energy if e.phase == "call"), None)
     if call is None or e2e_ms <= 0:
         return None
-    share_ms = sum(rec.device_ms(r) * r.step.query_lens[r.position] / r.step.num_tokens
+    share_ms = sum(rec.device_ms(r) * r.step.query_lens[r.position] / r.timing.num_tokens(r.step)
                    for r in rec.chunks + rec.steps)
     fraction = share_ms / e2e_ms
     joules = call.joules * fraction

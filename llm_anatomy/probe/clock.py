@@ -51,6 +51,15 @@ class Clock:
         e.record()
         return e
 
+    @property
+    def reference_ns(self) -> int:
+        """Host time of the device reference (shared by every `at` copy of this clock)."""
+        return self._ref_ns
+
+    def from_reference_ms(self, event: torch.cuda.Event) -> float:
+        """Device ms from the reference to a recorded (and completed) event."""
+        return self._ref.elapsed_time(event)
+
     def event_ms(self, event: torch.cuda.Event) -> float:
         """A recorded (and completed) event -> ms since the call began, on the host clock."""
-        return self.ms(self._ref_ns) + self._ref.elapsed_time(event)
+        return self.ms(self._ref_ns) + self.from_reference_ms(event)

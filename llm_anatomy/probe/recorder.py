@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,16 +38,25 @@ class StepMeasure:
     _ids: frozenset[str] | None = None
     _requests: list[str] | None = None
     _changes: dict[int, tuple[list[str], list[str]]] = field(default_factory=dict)
-    _lines: dict[tuple[int, int], Roofline] = field(default_factory=dict)
+    _facts: dict[tuple[int, int], "DecodeFacts"] = field(default_factory=dict)
+    _num_tokens: int | None = None
+    _from_reference: dict[int, float] = field(default_factory=dict)
 
-    def roofline_since(self, previous_end_ns: int, ceilings: Ceilings, line: Callable[[], Roofline]) -> Roofline:
-        """The step's roofline over the time since `previous_end_ns` (`line()` computes it): every request in
-        both this step and the one that ended then sees the same one, computed once."""
-        key = (previous_end_ns, id(ceilings))
-        found = self._lines.get(key)
+    def num_tokens(self, step: Step) -> int:
+        """step.num_tokens (a sum over the batch), once."""
+        if self._num_tokens is None:
+            self._num_tokens = step.num_tokens
+        return self._num_tokens
+
+    def start_ms(self, clock: Clock) -> float:
+        """The step's device start on `clock` (ms since its zero). On CUDA the interval from the clock's device
+        reference is read once per step and reference, not once per request (each read is a driver call)."""
+        if not clock.cuda:
+            return clock.ms(self.start)
+        found = self._from_reference.get(clock.reference_ns)
         if found is None:
-            found = self._lines[key] = line()
-        return found
+            found = self._from_reference[clock.reference_ns] = clock.from_reference_ms(self.start)
+        return clock.ms(clock.reference_ns) + found
 
     def ids(self, step: Step) -> frozenset[str]:
         if self._ids is None:
@@ -123,7 +131,7 @@ class RequestTrace:
         return (r.timing if isinstance(r, StepRecord) else r).ms()
 
     def device_start_ms(self, r: StepRecord) -> float:
-        return self.clock.event_ms(r.timing.start) if self.clock.cuda else self.clock.ms(r.timing.start)
+        return r.timing.start_ms(self.clock)
 
 
 class Recorder:
@@ -325,6 +333,41 @@ def prefill_record(rec: RequestTrace, r: StepRecord, engine, ceilings: Ceilings,
                          max(x.batch_size for x in records), others, len(records))
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeFacts:
+    """What every request in both a decode step and an earlier one sees alike in its DecodeStep for that step
+    (the earlier one being its previous step): computed once per pair of steps, shared by all of them."""
+
+    cost: Cost
+    device_ms: float
+    host_ms: float
+    batch_size: int
+    kv_bytes_read: float
+    line: Roofline
+    joined: list[str]
+    left: list[str]
+    step_tokens: int
+
+
+def decode_facts(engine, r: StepRecord, previous: StepRecord, ceilings: Ceilings,
+                 shapes: KernelShapes | None = None) -> DecodeFacts:
+    """`r`'s step as a request whose previous step was `previous`'s sees it; the roofline spans the time since
+    that previous step ended."""
+    timing = r.timing
+    key = (previous.step.index, id(ceilings))
+    found = timing._facts.get(key)
+    if found is None:
+        step = r.step
+        cost = step_cost(engine, r, shapes)
+        device_ms = timing.ms()
+        wall_ms = (step.t_end_ns - previous.step.t_end_ns) / 1e6
+        joined, left = timing.changes_since(step, previous)
+        found = timing._facts[key] = DecodeFacts(
+            cost, device_ms, step.host_work_ns / 1e6, len(step.seqs), cost.part("kv_read", "bytes"),
+            roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings), joined, left, timing.num_tokens(step))
+    return found
+
+
 def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceilings: Ceilings,
                    token_text, previous: StepRecord, shapes: KernelShapes | None = None
                    ) -> tuple[list[DecodeStep], list[Cost]]:
@@ -332,25 +375,23 @@ def decode_records(rec: RequestTrace, records: list[StepRecord], engine, ceiling
     the decode phase and the first starts when the prefill's token is emitted. (With lookahead a step is
     scheduled and launched before the one ahead of it completes: that instant is kept as launch_ms, and
     launch-to-end would count the overlap twice.) A step that recomputes the request after a preemption is a
-    prefill, and is costed as one."""
+    prefill, and is costed as one. What the step's other requests see alike comes from `decode_facts`, once."""
     steps, costs = [], []
-    previous_end_ns = previous.step.t_end_ns
+    ms = rec.clock.ms
+    previous_end_ms = ms(previous.step.t_end_ns)
     for i, r in enumerate(records, start=1):
-        cost = step_cost(engine, r, shapes)
-        device_ms = rec.device_ms(r)
-        wall_ms = (r.step.t_end_ns - previous_end_ns) / 1e6
-        line = r.timing.roofline_since(previous_end_ns, ceilings,
-                                       lambda: roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings))
-        token = r.step.tokens[r.position]
-        joined, left = r.timing.changes_since(r.step, previous)
-        steps.append(DecodeStep(i, rec.clock.ms(previous_end_ns), rec.clock.ms(r.step.t_end_ns), device_ms,
-                                r.step.host_work_ns / 1e6, r.context_len, r.batch_size, token, token_text(token),
-                                cost.flops, cost.bytes, cost.part("kv_read", "bytes"), line.mbu, line.mfu,
-                                line.bound.kind, joined, left, r.step.num_tokens, rec.clock.ms(r.step.t_start_ns),
-                                rec.device_start_ms(r)))
-        previous_end_ns = r.step.t_end_ns
+        f = decode_facts(engine, r, previous, ceilings, shapes)
+        step, position = r.step, r.position
+        token = step.tokens[position]
+        end_ms = ms(step.t_end_ns)
+        line = f.line
+        steps.append(DecodeStep(i, previous_end_ms, end_ms, f.device_ms, f.host_ms, step.context_lens[position],
+                                f.batch_size, token, token_text(token), f.cost.flops, f.cost.bytes, f.kv_bytes_read,
+                                line.mbu, line.mfu, line.bound.kind, f.joined, f.left, f.step_tokens,
+                                ms(step.t_start_ns), r.timing.start_ms(rec.clock)))
+        previous_end_ms = end_ms
         previous = r
-        costs.append(cost)
+        costs.append(f.cost)
     return steps, costs
 
 
@@ -414,7 +455,8 @@ def co_scheduled(rec: RequestTrace) -> dict[str, int]:
 
 def batching_record(rec: RequestTrace, queue_ms: float) -> BatchingRecord:
     sizes = [r.batch_size for r in rec.steps] or [1]
-    stalls = [Stall(rec.clock.ms(step.t_start_ns), rec.device_ms(timing), timing.requests(step), step.num_tokens)
+    stalls = [Stall(rec.clock.ms(step.t_start_ns), rec.device_ms(timing), timing.requests(step),
+                    timing.num_tokens(step))
               for step, timing in rec.stalls if timing.end is not None]
     return BatchingRecord(queue_ms, max(sizes), sum(sizes) / len(sizes),
                           rec.seq.num_preemptions if rec.seq is not None else 0,

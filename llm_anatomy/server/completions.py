@@ -159,25 +159,24 @@ class ChoiceStream:
         self.logprobs_sent = event.tokens
         return body
 
-    async def _next_event(self) -> Progress | APIError:
-        """The newest progress (the client fell behind: one chunk for all of it), or an error."""
-        while True:
-            latest = None
-            for event in await self.call.events.take():
-                if isinstance(event, APIError):
-                    return event
-                if isinstance(event, Progress):
-                    latest = event
-            if latest is not None:
-                return latest
-
     async def lines(self):
         if self.req.chat:
             yield self._chunk(0, role=True)
         elif self.req.echo and self.call.prompt_text:
             yield self._chunk(0, text=self.call.prompt_text)
+        events = self.call.events
         while True:
-            event = await self._next_event()
+            # The newest progress (a client that fell behind gets one chunk for all of it), or an error. Taken
+            # here, not in a helper coroutine: this runs per stream per step, and each await level costs.
+            event = None
+            for item in await events.take():
+                if isinstance(item, APIError):
+                    event = item
+                    break
+                if isinstance(item, Progress):
+                    event = item
+            if event is None:
+                continue
             if isinstance(event, APIError):
                 yield sse(event.body())
                 return

@@ -330,23 +330,25 @@ class EngineLoop:
             return
         events = []
         errors = 0
-        for seq in seqs:
-            call = self._calls.get(seq.request_id)
-            if seq.finish_reason == "error":  # the engine ended it (a failure confined to it), blocks freed
+        calls, interval = self._calls, self.stream_interval
+        for seq in seqs:  # runs per sequence per step: locals, and finish_reason (set exactly when it finished)
+            call = calls.get(seq.request_id)
+            reason = seq.finish_reason
+            if reason == "error":  # the engine ended it (a failure confined to it), blocks freed
                 errors += 1
                 self.last_failure = getattr(seq, "error", None) or "unknown error"
             if call is None or call.done:
                 continue
-            if seq.finished:
+            if reason is not None:
                 call.done = True
-            if seq.finish_reason == "error":
+            tokens = len(seq.output_token_ids)
+            if reason == "error":
                 events.append((call, APIError(500, f"the engine failed on this request: {self.last_failure}",
                                               type="server_error")))
-            elif seq.finished or (call.request.stream and (  # a whole-answer call needs only its end
-                    call.posted_tokens == 0 or len(seq.output_token_ids) - call.posted_tokens >= self.stream_interval)):
-                call.posted_tokens = len(seq.output_token_ids)
-                events.append((call, Progress(seq.text, call.posted_tokens, seq.finish_reason, seq.output_token_ids,
-                                              seq.logprobs)))
+            elif reason is not None or (call.request.stream and (  # a whole-answer call needs only its end
+                    call.posted_tokens == 0 or tokens - call.posted_tokens >= interval)):
+                call.posted_tokens = tokens
+                events.append((call, Progress(seq.text, tokens, reason, seq.output_token_ids, seq.logprobs)))
         self.failed_steps = self.failed_steps + 1 if seqs and errors == len(seqs) else 0
         post_all(events)
 
