@@ -27,11 +27,13 @@ def test_supports_only_single_bf16_rows_on_cuda():
 def test_plan_fits_a_hopper_block_and_stages_are_whole():
     for n, k, gated in ((6144, 4096, False), (12288, 4096, True), (4096, 12288, False), (151936, 4096, False),
                         (2560, 2560, False), (9728, 2560, True), (5120, 25600, False), (151936, 2560, False)):
-        stages, shared = sg.plan(n, k, gated, 132)
-        rows = sg.rows_per_stage(n, k, gated)
-        assert stages >= 2 and shared <= sg.SHARED_LIMIT and n % rows == 0
-        assert rows * k * 2 * (2 if gated else 1) <= sg.STAGE_BYTES or rows == 1
+        for weight_bytes in (2, 1):  # bf16, fp8
+            stages, shared = sg.plan(n, k, gated, 132, weight_bytes)
+            rows = sg.rows_per_stage(n, k, gated, weight_bytes)
+            assert stages >= 2 and shared <= sg.SHARED_LIMIT and n % rows == 0
+            assert rows * k * weight_bytes * (2 if gated else 1) <= sg.STAGE_BYTES[weight_bytes] or rows == 1
     assert sg.rows_per_stage(4096, 4096, False) == 4 and sg.rows_per_stage(12288, 4096, True) == 2
+    assert sg.rows_per_stage(4096, 4096, False, 1) == 16 and sg.rows_per_stage(4096, 12288, False, 1) == 4
     assert sg.rows_per_stage(2560, 2560, False) == 5  # 6 fit, 5 divide
 
 
