@@ -49,9 +49,9 @@ DEFAULT_RUNTIME_BYTES = 0.82e9
 DECODE = ("decode_bw", "decode_bw_gemv", "decode_bw_gemm", "decode_mm", "decode_kv", "decode_t0_ms", "decode_seq_ms")
 # A decode step reads its weights through one of three kernels, each with its own efficiency (decode_bw,
 # decode_bw_gemv, decode_bw_gemm): one sequence the streaming GEMV, up to GEMV_ROWS the GEMV kernel
-# (kernels/gemv.py and fp8_gemv.py: MAX_ROWS), more a GEMM (cuBLAS). The fp8 GEMV at 8 rows read its weights at
-# less than half the streaming kernel's rate on the H200 (benchmarks/README.md): one efficiency for all could
-# not predict both.
+# (kernels/gemv.py and fp8_gemv.py: MAX_ROWS), more a GEMM (cuBLAS). The GEMV kernels read their weights at
+# another rate than the streaming kernel (on the H200 the bf16 GEMV's qkv_proj at 3.4 TB/s, the streaming one's
+# at 4.4; benchmarks/README.md): one efficiency for all could not predict both.
 GEMV_ROWS = 16
 PREFILL = ("prefill_bw", "prefill_mm", "prefill_attn", "prefill_t0_ms", "prefill_eager_ms")
 # A rate of FLOPs cannot pass the datasheet's; a rate of bytes can, where L2 serves what the model counts as read
