@@ -65,12 +65,12 @@ def device_record(engine: Engine, why: str) -> DeviceRecord:
 class EngineFacts:
     """What building an anatomy reads of the engine, none of which changes while it serves: taken once
     (`of`), picklable, so that anatomies can be built in a process that never touches the device. Has the
-    attributes the cost model reads of an engine (device, config, dtype, plan)."""
+    attributes the cost model reads of an engine (device, config, dtype), and the kernel shapes its plan
+    implies in place of the plan (which holds the tuned tiles)."""
 
     device: torch.device
     config: object
     dtype: torch.dtype
-    plan: object
     shapes: KernelShapes
     tokenizer: object  # its token_text names each decode step's token
     model: ModelRecord
@@ -83,13 +83,21 @@ class EngineFacts:
     @classmethod
     def of(cls, engine: Engine) -> "EngineFacts":
         config, weights = engine.config, engine.weights
-        return cls(engine.device, config, engine.dtype, engine.plan, device_shapes(engine.device, engine.plan),
-                   engine.tokenizer,
+        return cls(engine.device, config, engine.dtype, device_shapes(engine.device, engine.plan),
+                   _picklable_tokenizer(engine.tokenizer),
                    ModelRecord(engine.source.name, config.to_hf(), str(engine.dtype).split(".")[-1],
                                weights.num_parameters, weights.bytes, weights.quantization,
                                engine.plan.kv_cache_dtype),
                    WeightsRecord(weights.kind, weights.source, weights.label, weights.seed),
                    device_record(engine, ""), PoolFacts.of(engine), engine.max_model_len, startup_record(engine))
+
+
+def _picklable_tokenizer(tokenizer):
+    """A copy of the tokenizer without its compiled chat template (a cached property: jinja2's compiled
+    templates cannot be pickled; the copy compiles its own if it ever renders one)."""
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.__dict__.pop("_template", None)
+    return tokenizer
 
 
 @dataclass(frozen=True)

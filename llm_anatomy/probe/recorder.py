@@ -142,6 +142,7 @@ class RequestTrace:
     chunks: list[StepRecord] = field(default_factory=list)  # its prompt's chunks before its first token
     stalls: list[tuple[Step, StepMeasure]] = field(default_factory=list)  # others' prefills while it was running
     seq: Sequence | None = None
+    since_step: int = 0  # no step before this index can be among its steps, chunks or stalls
 
     @staticmethod
     def device_ms(r: StepRecord | StepMeasure) -> float:
@@ -149,6 +150,13 @@ class RequestTrace:
 
     def device_start_ms(self, r: StepRecord) -> float:
         return r.timing.start_ms(self.clock)
+
+    def first_step(self) -> int:
+        """The lowest index among its steps, chunks and stalls (its since_step when it has none)."""
+        firsts = [records[0].step.index for records in (self.chunks, self.steps) if records]
+        if self.stalls:
+            firsts.append(self.stalls[0][0].index)
+        return min(firsts, default=self.since_step)
 
     def shared_steps(self) -> dict[int, tuple[Step, StepMeasure]]:
         """index -> (step, measure) of every step its anatomy reads (those a snapshot can be taken of)."""
@@ -210,12 +218,22 @@ class Recorder:
         self.traces: dict[str, RequestTrace] = {}
         self._open: dict[int, tuple[StepMeasure, list[tuple[RequestTrace, Sequence, StepRecord]]]] = {}
         self._finished: list[RequestTrace] = []
+        self._launched = -1  # the index of the latest step launched
+        # the oldest step a watched request may still come to name (None: none is watched); kept up to date on
+        # the engine thread, read by others (the anatomy builder forgets the steps before it)
+        self.oldest_step: int | None = None
 
     def watch(self, request_id: str, t0_ns: int | None = None, clock: Clock | None = None) -> RequestTrace:
         clock = clock or self.clock
-        trace = RequestTrace(clock.at(t0_ns) if t0_ns is not None else clock, request_id)
+        trace = RequestTrace(clock.at(t0_ns) if t0_ns is not None else clock, request_id,
+                             since_step=self._launched + 1)
         self.traces[request_id] = trace
+        self._update_oldest()
         return trace
+
+    def _update_oldest(self) -> None:
+        # watched in step order, so the first trace left is the oldest
+        self.oldest_step = next(iter(self.traces.values())).since_step if self.traces else None
 
     def _now(self) -> object:
         return self.clock.event() if self.clock.cuda else time.perf_counter_ns()
@@ -226,6 +244,7 @@ class Recorder:
             trace.added_ns, trace.seq = t_ns, seq
 
     def on_launch(self, step: Step) -> None:
+        self._launched = step.index
         if not self.traces:
             return
         traces, finished = self.traces, Status.FINISHED
@@ -271,6 +290,7 @@ class Recorder:
         if trace is not None:
             trace.finished_ns = t_ns
             self._finished.append(trace)
+            self._update_oldest()
 
     def take_finished(self) -> list[RequestTrace]:
         """Traces of requests that finished since the last call (call it between steps)."""
