@@ -219,12 +219,16 @@ class AnatomyBuilder:
         with self._lock:
             stale, self._stale = self._stale, []
             child = self._child
-            self._building[call.id] = (call, time.perf_counter() - t0)
-            new = {i: step_and_measure for i, step_and_measure in shared.items() if i not in child.sent_steps}
-            keep_from = min([min(shared)] + [t.first_step() for _, t, _ in self._waiting.values()]
-                            + ([] if self._live_from is None else [self._live_from]))
+            if child is not None:
+                self._building[call.id] = (call, time.perf_counter() - t0)
+                new = {i: step_and_measure for i, step_and_measure in shared.items() if i not in child.sent_steps}
+                keep_from = min([min(shared)] + [t.first_step() for _, t, _ in self._waiting.values()]
+                                + ([] if self._live_from is None else [self._live_from]))
         for conn in stale:
             conn.close()
+        if child is None:  # the child died as the server stopped: no new one is started then
+            self._failed(call, "the anatomy could not be built: the anatomy builder's process died at shutdown")
+            return
         try:
             child.send_setup()
             snapshots = {i: measure.snapshot(step, trace.clock) for i, (step, measure) in new.items()}
