@@ -3,8 +3,9 @@
 The engine's forward and sampler are replaced by ones that return at once (a random token per sequence), so
 that what is left is the host's own work: scheduling and detokenizing (the bare engine), then the server's
 engine thread on top (the Recorder's per-step records, the calls' progress handed to the event loop), the
-event loop turning that progress into SSE lines, and the anatomy builder (what building the anatomies of a
-step's worth of finished calls costs, B calls over their output tokens' steps). Runs on the CPU; no GPU.
+event loop turning that progress into SSE lines, and the anatomies of a step's worth of finished calls (B calls
+over their output tokens' steps): the server process's share (packing each call for the builder's process)
+and the builder process's own (building it), measured here one after the other. Runs on the CPU; no GPU.
 
     python3 benchmarks/host_overhead.py --batch-sizes 1,64,256,512 --output-tokens 128
 """
@@ -153,17 +154,40 @@ def server_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run
     for f in followers:
         f.result(timeout=60)
     loop_cpu_s = consumers.stop()
-    builds = []
-    for trace, call in finished:
-        call.marks.end = trace.finished_ns
-        t0 = time.thread_time()
-        loop.builder._anatomy(call, trace, engine.result(call.seq, call.prompt_text)).to_json()
-        builds.append((time.thread_time() - t0) * 1e3)
+    parent, child = anatomy_costs(loop.builder, engine, finished)
     steps = output_tokens  # each call's anatomy covers its `output_tokens` steps, shared by the batch
     return {"engine_thread_ms": statistics.median(times), "engine_thread_cpu_ms": statistics.median(cpu),
             "event_loop_ms": loop_cpu_s * 1e3 / max(1, output_tokens),
-            "anatomy_ms_per_call": statistics.median(builds),
-            "anatomy_ms_per_step": statistics.mean(builds) * batch / steps}
+            "anatomy_parent_ms_per_call": statistics.median(parent),
+            "anatomy_parent_ms_per_step": statistics.mean(parent) * batch / steps,
+            "anatomy_ms_per_call": statistics.median(child),
+            "anatomy_ms_per_step": statistics.mean(child) * batch / steps}
+
+
+def anatomy_costs(builder, engine, finished) -> tuple[list[float], list[float]]:
+    """ms per finished call: the server process's share (the job, the new step snapshots, pickling them: what
+    the sending thread does) and the builder process's (unpickling, building, the JSON), run here in turn."""
+    import pickle
+
+    from llm_anatomy.server.anatomy_process import Builder
+
+    far = Builder(pickle.loads(pickle.dumps(builder.setup)))
+    sent: set[int] = set()
+    parent, child = [], []
+    for trace, call in finished:
+        call.marks.end = trace.finished_ns
+        result = engine.result(call.seq, call.prompt_text)
+        t0 = time.thread_time()
+        job = builder._job(call, trace, result)
+        new = {i: m.snapshot(s, trace.clock) for i, (s, m) in trace.shared_steps().items() if i not in sent}
+        sent.update(new)
+        message = pickle.dumps((new, job, trace.first_step()))
+        t1 = time.thread_time()
+        far.take(*pickle.loads(message))
+        t2 = time.thread_time()
+        parent.append((t1 - t0) * 1e3)
+        child.append((t2 - t1) * 1e3)
+    return parent, child
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,11 +207,13 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"batch": b, "bare_engine_ms": bare, **served})
             print(json.dumps(rows[-1]), flush=True)
     print("\nhost ms per decode step (median)\n| batch | bare engine | server engine thread (its CPU) | "
-          "event loop (SSE lines) | anatomies (built, per step) | anatomy per call |")
+          "event loop (SSE lines) | anatomies: server process per step (per call) | builder process per step "
+          "(per call) |")
     for r in rows:
         print(f"| {r['batch']} | {r['bare_engine_ms']:.2f} | {r['engine_thread_ms']:.2f} "
               f"({r['engine_thread_cpu_ms']:.2f}) | {r['event_loop_ms']:.2f} "
-              f"| {r['anatomy_ms_per_step']:.2f} | {r['anatomy_ms_per_call']:.1f} |")
+              f"| {r['anatomy_parent_ms_per_step']:.2f} ({r['anatomy_parent_ms_per_call']:.2f}) "
+              f"| {r['anatomy_ms_per_step']:.2f} ({r['anatomy_ms_per_call']:.1f}) |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

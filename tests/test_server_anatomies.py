@@ -1,29 +1,34 @@
-"""The anatomy builder's budget: while the engine is busy it builds little, builds at once what someone asks
-for, drops the oldest unbuilt past its backlog (their metrics still counted), and catches up when idle."""
+"""The anatomy builder's process: it builds what this process would, builds at once what someone asks for,
+drops the oldest unbuilt past its backlog (their metrics still counted), finishes what is queued at stop, and
+its death costs the calls it held, not the server."""
 
+import json
+import pickle
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from llm_anatomy.engine.engine import GenerationResult
-from llm_anatomy.probe.call import Marks
+from llm_anatomy.probe.call import Marks, build_anatomy
 from llm_anatomy.probe.clock import Clock
-from llm_anatomy.probe.recorder import RequestTrace
+from llm_anatomy.probe.recorder import Recorder
 from llm_anatomy.server.anatomies import AnatomyBuilder
+from llm_anatomy.server.anatomy_process import SERVED_NOTES, Builder
 from llm_anatomy.server.metrics import Metrics
 from llm_anatomy.server.store import AnatomyStore
-from sample_anatomy import sample_anatomy
 from test_server import CEILINGS
 
 
-class Engine:
-    device = torch.device("cpu")
-    busy = True
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from conftest import tiny_hf_model
+    from llm_anatomy import Engine
 
-    def has_work(self) -> bool:
-        return self.busy
+    directory = tmp_path_factory.mktemp("tiny")
+    tiny_hf_model(initializer_range=0.2).save_pretrained(directory)
+    return Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=512, block_size=4,
+                                  lookahead=True)
 
 
 class NowLoop:
@@ -34,59 +39,128 @@ class NowLoop:
         fn(*args)
 
 
-def finished_call(i: int):
+def finished_calls(engine, count: int):
+    """`count` calls served together, joining one every other step (so that steps are shared, batches change
+    and prefills stall the others): [(call, trace, result)]."""
     from llm_anatomy.server.loop import Call
 
-    request = SimpleNamespace(want_anatomy=False)
-    call = Call(f"call{i:02d}", request, Marks(0, 0, 0, 0), [1, 2], None, None, NowLoop(), owner=None)
-    result = GenerationResult(call.id, [1, 2], [3] * (i + 1), "text", "length")
-    return call, RequestTrace(Clock(Engine.device), call.id), result
+    recorder = Recorder(Clock(engine.device))
+    engine.observers.append(recorder)
+    t0 = time.perf_counter_ns()
+    seqs, traces, step = {}, {}, 0
+    try:
+        while len(seqs) < count or engine.has_work():
+            if step % 2 == 0 and len(seqs) < count:
+                rid = f"call{len(seqs):02d}"
+                traces[rid] = recorder.watch(rid, t0)
+                seqs[rid] = engine.add_request(list(range(5, 9 + len(seqs))), engine.sampling_params(
+                    max_tokens=3 + 2 * len(seqs), temperature=0, ignore_eos=True), request_id=rid)
+            engine.step()
+            step += 1
+    finally:
+        engine.observers.remove(recorder)
+    out = []
+    for rid, trace in traces.items():
+        request = SimpleNamespace(want_anatomy=False, shown={"prompt_token_ids": [5]}, chat=False)
+        call = Call(rid, request, Marks(t0, t0, t0, t0, trace.finished_ns), [5], None,
+                    SimpleNamespace(temperature=0.0, max_tokens=3), NowLoop())
+        out.append((call, trace, engine.result(seqs[rid])))
+    return out
 
 
-def wait_for(condition, timeout=10.0):
+def builder_for(engine, store, **kw) -> AnatomyBuilder:
+    return AnatomyBuilder(engine, CEILINGS, store, Metrics("m", engine), None, "off", "test", **kw)
+
+
+def wait_for(condition, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
 
-def test_a_busy_engine_defers_anatomies_that_nobody_asks_for(tmp_path):
-    engine = Engine()
-    store = AnatomyStore(tmp_path, keep=3)
-    metrics = Metrics("m", engine)
-    builder = AnatomyBuilder(engine, CEILINGS, store, metrics, None, "", "", duty=1e-4)
-    builder._anatomy = lambda call, trace, result: sample_anatomy(id=call.id)  # the build itself is probe's
-    calls = [finished_call(i) for i in range(5)]
+def test_the_builders_process_builds_the_anatomy_this_process_would(engine, tmp_path):
+    """What travels (step snapshots once, each call's trace by index, pickled) rebuilds every field."""
+    calls = finished_calls(engine, 4)
+    builder = builder_for(engine, AnatomyStore(tmp_path))
+    far = Builder(pickle.loads(pickle.dumps(builder.setup)))
+    sent: set[int] = set()
+    shared_facts = []
+    for call, trace, result in calls:
+        job = builder._job(call, trace, result)
+        here = build_anatomy(engine, job.request, result, trace, CEILINGS, job.window, "test", call.marks,
+                             notes=list(SERVED_NOTES), state=job.state)
+        new = {i: m.snapshot(s, trace.clock) for i, (s, m) in trace.shared_steps().items() if i not in sent}
+        sent.update(new)
+        built = far.take(*pickle.loads(pickle.dumps((new, job, trace.first_step()))))
+        assert built.failure is None
+        there = json.loads(built.json)
+        mine = json.loads(here.to_json())
+        assert there.pop("started_at_unix") == pytest.approx(mine.pop("started_at_unix"), abs=5)
+        assert there == mine
+        summary, expected = dict(built.summary), here.summary()
+        summary.pop("started_at_unix", None), expected.pop("started_at_unix", None)
+        assert summary == expected
+        shared_facts.append(there["batching"]["stalls"] or any(d["joined"] or d["left"]
+                                                               for d in there["decode_steps"]))
+    assert any(shared_facts)  # batches changed and prefills stalled others: the shared step facts were exercised
+
+
+def test_a_job_naming_a_step_never_sent_is_an_error_summary_and_the_builder_goes_on(engine, tmp_path):
+    calls = finished_calls(engine, 2)
+    builder = builder_for(engine, AnatomyStore(tmp_path))
+    far = Builder(builder.setup)
+    call, trace, result = calls[0]
+    broken = far.take({}, builder._job(call, trace, result), 0)  # its steps never sent
+    assert broken.json is None and "KeyError" in broken.summary["error"] and broken.summary["id"] == call.id
+    call, trace, result = calls[1]
+    new = {i: m.snapshot(s, trace.clock) for i, (s, m) in trace.shared_steps().items()}
+    assert far.take(new, builder._job(call, trace, result), 0).json is not None
+    with pytest.raises(ValueError, match="in_flight"):
+        builder_for(engine, AnatomyStore(tmp_path / "x"), in_flight=0)
+
+
+def test_backlog_drops_the_oldest_wanted_goes_first_stop_builds_the_rest(engine, tmp_path):
+    calls = finished_calls(engine, 5)
+    store = AnatomyStore(tmp_path, keep=10)
+    builder = builder_for(engine, store, backlog=3, in_flight=1)
+    for item in calls:
+        builder.add(*item)  # not started: they wait, and the two oldest are pushed out
+    assert [c.anatomy_built for c, _, _ in calls] == [True, True, False, False, False]
+    assert "too busy" in calls[0][0].anatomy["error"]
+    assert builder.metrics.anatomies_dropped.labels("m")._value.get() == 2
+    builder.want("call04")
+    builder.start()
+    builder.stop()
+    assert store.ids()[0] == "call04" and sorted(store.ids()) == ["call02", "call03", "call04"]
+    assert all(c.anatomy_built and "error" not in c.anatomy for c, _, _ in calls[2:])
+    assert builder.metrics.generation_tokens.labels("m")._value.get() == sum(3 + 2 * i for i in range(5))
+    assert builder._child is None and builder._sender.is_alive() is False and builder._receiver.is_alive() is False
+    store.close()
+
+
+def test_the_builders_process_dying_loses_its_calls_alone(engine, tmp_path):
+    calls = finished_calls(engine, 4)
+    store = AnatomyStore(tmp_path, keep=10)
+    builder = builder_for(engine, store)
     builder.start()
     try:
-        builder.add(*calls[0])
-        wait_for(lambda: store.get("call00", wait_s=0) is not None)  # the first goes at once...
-        for item in calls[1:]:
-            builder.add(*item)  # ...then the budget is spent: these wait, and the oldest is pushed out
-        assert calls[1][0].anatomy_built and "too busy" in calls[1][0].anatomy["error"]
-        assert metrics.anatomies_dropped.labels("m")._value.get() == 1
-        builder.want("call03")
-        wait_for(lambda: store.get("call03", wait_s=0) is not None)  # asked for: built now
-        assert store.get("call02", wait_s=0) is None and store.get("call04", wait_s=0) is None
-        wait_for(lambda: metrics.generation_tokens.labels("m")._value.get() == 1 + 2 + 3 + 4 + 5)  # all counted
-        engine.busy = False
-        wait_for(lambda: store.get("call04", wait_s=0) is not None and store.get("call02", wait_s=0) is not None)
-        assert store.get("call01", wait_s=0) is None and builder.waiting == 0
+        first = builder._child.process
+        first.kill()
+        for item in calls[:3]:
+            builder.add(*item)
+        wait_for(lambda: builder.restarts == 1 and all(c.anatomy_built for c, _, _ in calls[:3]))
+        assert not first.is_alive()
+        for call, _, _ in calls[:3]:  # lost with the process, or built by the new one
+            assert "died" in call.anatomy.get("error", "died") or store.get(call.id, wait_s=0) is not None
+        builder.add(*calls[3])
+        wait_for(lambda: calls[3][0].anatomy_built)
+        assert "error" not in calls[3][0].anatomy and store.get("call03", wait_s=0) is not None
+        assert builder.metrics.anatomy_builder_restarts.labels("m")._value.get() == 1
     finally:
         builder.stop()
         store.close()
-
-
-def test_stopping_builds_what_is_left(tmp_path):
-    store = AnatomyStore(tmp_path, keep=10)
-    builder = AnatomyBuilder(Engine(), CEILINGS, store, Metrics("m", Engine()), None, "", "", duty=1e-4)
-    builder._anatomy = lambda call, trace, result: sample_anatomy(id=call.id)
-    builder.start()
-    for i in range(4):
-        builder.add(*finished_call(i))
-    builder.stop()
-    assert store.ids() == [f"call{i:02d}" for i in range(4)]
-    store.close()
+    assert builder._child is None and first.exitcode is not None
 
 
 def test_many_values_histogram_exports_what_prometheus_client_would():
@@ -104,11 +178,3 @@ def test_many_values_histogram_exports_what_prometheus_client_would():
         one_by_one.labels("m").observe(v)
     expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
     assert generate_latest(ours).decode().splitlines() == expected
-
-
-def test_the_builders_budget_is_a_fraction(tmp_path):
-    store = AnatomyStore(tmp_path)
-    for duty in (0, -0.5, 1.5):
-        with pytest.raises(ValueError, match="duty"):
-            AnatomyBuilder(Engine(), CEILINGS, store, Metrics("m", Engine()), None, "", "", duty=duty)
-    store.close()

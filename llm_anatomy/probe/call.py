@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import time
 import uuid
@@ -10,15 +12,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import __version__
-from ..anatomy import Anatomy, DeviceRecord, EnergyRecord, ModelRecord, Phase, StartupRecord, WeightsRecord
+from ..anatomy import (Anatomy, Ceilings, DeviceRecord, EnergyRecord, MemoryCensus, ModelRecord, Phase,
+                       StartupRecord, WeightsRecord)
 from ..engine.engine import Engine, GenerationResult
-from ..anatomy import Ceilings
 from .ceilings import device_name
 from .clock import Clock
-from .cost import device_shapes
+from .cost import KernelShapes, device_shapes
 from .memory import engine_census
-from .recorder import (Recorder, RequestTrace, batching_record, decode_records, decode_summary, kv_record,
-                       prefill_record, telemetry)
+from .recorder import (PoolFacts, Recorder, RequestTrace, batching_record, decode_records, decode_summary, kv_record,
+                       kv_room, prefill_record, telemetry)
 from .energy import measure_steady_energy
 from .telemetry import GpuTelemetry, nvml_status
 from ..prompt import render_prompt
@@ -57,6 +59,57 @@ def device_record(engine: Engine, why: str) -> DeviceRecord:
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return DeviceRecord(f"{device_name(dev)} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)", "cpu",
                         total, why, torch.__version__)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What building an anatomy reads of the engine, none of which changes while it serves: taken once
+    (`of`), picklable, so that anatomies can be built in a process that never touches the device. Has the
+    attributes the cost model reads of an engine (device, config, dtype), and the kernel shapes its plan
+    implies in place of the plan (which holds the tuned tiles)."""
+
+    device: torch.device
+    config: object
+    dtype: torch.dtype
+    shapes: KernelShapes
+    tokenizer: object  # its token_text names each decode step's token
+    model: ModelRecord
+    weights: WeightsRecord
+    device_record: DeviceRecord  # its `why` left empty: each call says why
+    pool: PoolFacts
+    max_model_len: int
+    startup: StartupRecord | None
+
+    @classmethod
+    def of(cls, engine: Engine) -> "EngineFacts":
+        config, weights = engine.config, engine.weights
+        return cls(engine.device, config, engine.dtype, device_shapes(engine.device, engine.plan),
+                   _picklable_tokenizer(engine.tokenizer),
+                   ModelRecord(engine.source.name, config.to_hf(), str(engine.dtype).split(".")[-1],
+                               weights.num_parameters, weights.bytes, weights.quantization,
+                               engine.plan.kv_cache_dtype),
+                   WeightsRecord(weights.kind, weights.source, weights.label, weights.seed),
+                   device_record(engine, ""), PoolFacts.of(engine), engine.max_model_len, startup_record(engine))
+
+
+def _picklable_tokenizer(tokenizer):
+    """A copy of the tokenizer without its compiled chat template (a cached property: jinja2's compiled
+    templates cannot be pickled; the copy compiles its own if it ever renders one)."""
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.__dict__.pop("_template", None)
+    return tokenizer
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """The device's memory when a request finished: its census (no activation peak) and the room for KV."""
+
+    census: MemoryCensus
+    kv_room: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> "DeviceState":
+        return cls(engine_census(engine), kv_room(engine))
 
 
 @dataclass
@@ -158,18 +211,34 @@ def attributed_energy(rec: RequestTrace, energy: list[EnergyRecord], e2e_ms: flo
                         call.start_ms, call.end_ms, call.shorter_than_update)
 
 
-def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: RequestTrace, ceilings: Ceilings,
-                  window: TelemetryWindow, device_why: str, marks: Marks, activation_peak: int | None = None,
-                  notes: list[str] | None = None, activation_peak_note: str = "not measured for this call",
-                  alone: bool = False) -> Anatomy:
+def build_anatomy(engine: Engine | EngineFacts, request: dict, result: GenerationResult, rec: RequestTrace,
+                  ceilings: Ceilings, window: TelemetryWindow, device_why: str, marks: Marks,
+                  activation_peak: int | None = None, notes: list[str] | None = None,
+                  activation_peak_note: str = "not measured for this call", alone: bool = False,
+                  state: DeviceState | None = None) -> Anatomy:
     """The Anatomy of one finished request from its trace. `request` is what was asked (shown as is). The phases
     tile the call without overlapping: the decode phase starts when the prefill's token is emitted. `alone`: the
-    request had the device to itself, idle before and after it (measure_call), which the energy model uses."""
+    request had the device to itself, idle before and after it (measure_call), which the energy model uses.
+    `engine`: the engine, or its EngineFacts (then `state`, the DeviceState when the request finished, is
+    needed: facts alone cannot read the device); with the engine, `state` is read now if not given."""
+    if isinstance(engine, EngineFacts):
+        if state is None:
+            raise ValueError("build_anatomy from EngineFacts needs the DeviceState of when the request finished")
+        facts = engine
+    else:
+        facts, state = EngineFacts.of(engine), state or DeviceState.of(engine)
+    return _build(facts, state, request, result, rec, ceilings, window, device_why, marks, activation_peak, notes,
+                  activation_peak_note, alone)
+
+
+def _build(engine: EngineFacts, state: DeviceState, request: dict, result: GenerationResult, rec: RequestTrace,
+           ceilings: Ceilings, window: TelemetryWindow, device_why: str, marks: Marks, activation_peak: int | None,
+           notes: list[str] | None, activation_peak_note: str, alone: bool) -> Anatomy:
     clock = rec.clock
     t_parse, t_template, t_tokenize, t_queue = (clock.ms(t) for t in (
         marks.received, marks.template, marks.tokenize, marks.queue))
     prefill_step, decode_steps_raw = rec.steps[0], rec.steps[1:]
-    shapes = device_shapes(engine.device, engine.plan)
+    shapes = engine.shapes
     prefill = prefill_record(rec, prefill_step, engine, ceilings, shapes)
     steps, costs = decode_records(rec, decode_steps_raw, engine, ceilings, engine.tokenizer.token_text, prefill_step,
                                   shapes)
@@ -211,10 +280,9 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
         share = attributed_energy(rec, tele.energy, e2e, n_out)
         if share is not None:
             tele.energy.append(share)
-    kv = kv_record(engine, rec, rec.seq)
-    memory = engine_census(engine, activation_peak)
-    memory.activation_peak_note = activation_peak_note
-    config = engine.config
+    kv = kv_record(engine.pool, state.kv_room, engine.max_model_len, rec, rec.seq)
+    memory = dataclasses.replace(state.census, activation_peak=activation_peak,
+                                 activation_peak_note=activation_peak_note)
     notes = list(notes or [])
     notes.append("FLOPs and bytes (and so MFU, MBU and the roofline) are the cost model's, not measured "
                  "(docs/anatomy.md); `llm-anatomy call --dram` measures DRAM bytes with Nsight Compute.")
@@ -228,11 +296,8 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
     return Anatomy(
         id=rec.request_id, started_at_unix=time.time() - (time.perf_counter_ns() - clock.t0_ns) / 1e9,
         tool_version=__version__,
-        model=ModelRecord(engine.source.name, config.to_hf(), str(engine.dtype).split(".")[-1],
-                          engine.weights.num_parameters, engine.weights.bytes, engine.weights.quantization,
-                          engine.plan.kv_cache_dtype),
-        weights=WeightsRecord(engine.weights.kind, engine.weights.source, engine.weights.label, engine.weights.seed),
-        device=device_record(engine, device_why),
+        model=copy.deepcopy(engine.model), weights=dataclasses.replace(engine.weights),
+        device=dataclasses.replace(engine.device_record, why=device_why),
         request=request, prompt_text=result.prompt_text, prompt_token_ids=result.prompt_token_ids,
         output_token_ids=result.output_token_ids, text=result.text, finish_reason=result.finish_reason,
         phases=phases, ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
@@ -242,7 +307,7 @@ def build_anatomy(engine: Engine, request: dict, result: GenerationResult, rec: 
                  "prepare_and_launch": sum(r.step.t_launched_ns - r.step.t_launch_ns for r in rec.steps) / 1e6,
                  "detokenize": detokenize_ms,
                  "all_step_work": sum(r.step.host_work_ns for r in rec.steps) / 1e6},
-        batching=batching, startup=startup_record(engine), notes=notes,
+        batching=batching, startup=copy.deepcopy(engine.startup), notes=notes,
     )
 
 

@@ -7,7 +7,6 @@ is the launch latency of the reference event (microseconds), far below anything 
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -27,9 +26,18 @@ class Clock:
     def at(self, t0_ns: int) -> "Clock":
         """The same clock (same device reference, no new sync) with its zero at `t0_ns`: one per request in a
         server, where a sync per request would stall the steps in flight."""
-        other = copy.copy(self)
+        other = Clock.__new__(Clock)
+        other.__dict__.update(self.__dict__)
         other.t0_ns = t0_ns
         return other
+
+    def __getstate__(self) -> dict:
+        """A pickled copy (for the anatomy builder's process) keeps the host times and leaves the device reference
+        event behind: a device event belongs to its process. The copy converts host times only; the device
+        intervals it needs travel already read (StepMeasure.snapshot)."""
+        state = dict(self.__dict__)
+        state.pop("_ref", None)
+        return state
 
     @property
     def age_s(self) -> float:

@@ -8,6 +8,7 @@ energy) is computed after a request has finished.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ class StepMeasure:
 
     def ids(self, step: Step) -> frozenset[str]:
         if self._ids is None:
-            self._ids = frozenset(s.request_id for s in step.seqs)
+            self._ids = frozenset(self.requests(step))
         return self._ids
 
     def requests(self, step: Step) -> list[str]:
@@ -78,6 +79,22 @@ class StepMeasure:
             now, then = self.ids(step), before.timing.ids(before.step)
             found = self._changes[key] = (sorted(now - then), sorted(then - now))
         return found
+
+    @property
+    def completed(self) -> bool:
+        """The step's device work was launched to its end (a snapshot's was, or it would not exist)."""
+        return self.end is not None or self._ms is not None
+
+    def snapshot(self, step: Step, clock: Clock) -> tuple[Step, "StepMeasure"]:
+        """A picklable copy of the step and of this measure, for building anatomies in another process: the step
+        without its sequences (their ids are in the measure), the device interval and the start already read
+        (against `clock`'s device reference, the one every trace of the step shares)."""
+        host = isinstance(self.start, int)
+        found = {} if host or not clock.cuda else {clock.reference_ns: clock.from_reference_ms(self.start)}
+        measure = StepMeasure(self.start if host else None, self.end if host else None, self.ms(),
+                              _requests=self.requests(step), _num_tokens=self.num_tokens(step),
+                              _from_reference=found)
+        return dataclasses.replace(step, seqs=[]), measure
 
     def ms(self) -> float:
         if self._ms is None:
@@ -105,11 +122,11 @@ class StepRecord:
 
     @property
     def batch_size(self) -> int:
-        return len(self.step.seqs)
+        return len(self.timing.requests(self.step))
 
     def others(self) -> list[str]:
         """The other requests in this step, sorted."""
-        me = self.step.seqs[self.position].request_id
+        me = self.timing.requests(self.step)[self.position]
         return sorted(r for r in self.timing.ids(self.step) if r != me)
 
 
@@ -125,6 +142,7 @@ class RequestTrace:
     chunks: list[StepRecord] = field(default_factory=list)  # its prompt's chunks before its first token
     stalls: list[tuple[Step, StepMeasure]] = field(default_factory=list)  # others' prefills while it was running
     seq: Sequence | None = None
+    since_step: int = 0  # no step before this index can be among its steps, chunks or stalls
 
     @staticmethod
     def device_ms(r: StepRecord | StepMeasure) -> float:
@@ -132,6 +150,59 @@ class RequestTrace:
 
     def device_start_ms(self, r: StepRecord) -> float:
         return r.timing.start_ms(self.clock)
+
+    def first_step(self) -> int:
+        """The lowest index among its steps, chunks and stalls (its since_step when it has none)."""
+        firsts = [records[0].step.index for records in (self.chunks, self.steps) if records]
+        if self.stalls:
+            firsts.append(self.stalls[0][0].index)
+        return min(firsts, default=self.since_step)
+
+    def shared_steps(self) -> dict[int, tuple[Step, StepMeasure]]:
+        """index -> (step, measure) of every step its anatomy reads (those a snapshot can be taken of)."""
+        found = {r.step.index: (r.step, r.timing) for r in self.chunks + self.steps}
+        found.update((step.index, (step, timing)) for step, timing in self.stalls if timing.completed)
+        return found
+
+
+@dataclass(frozen=True)
+class SequenceFacts:
+    """What an anatomy reads of a finished request's sequence."""
+
+    num_cached: int
+    num_tokens: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class TraceFacts:
+    """A finished request's trace as it travels to another process (pickled): the steps by index, with where the
+    request sat in each (the steps themselves travel once, as StepMeasure snapshots shared by all their
+    requests), and its sequence's facts. `trace` rebuilds the RequestTrace over those snapshots."""
+
+    clock: Clock
+    request_id: str
+    added_ns: int
+    finished_ns: int
+    steps: list[tuple[int, int, int]]  # (step index, position, kv_tokens)
+    chunks: list[tuple[int, int, int]]
+    stalls: list[int]
+    seq: SequenceFacts | None
+
+    @classmethod
+    def of(cls, rec: RequestTrace) -> "TraceFacts":
+        seq = rec.seq
+        return cls(rec.clock, rec.request_id, rec.added_ns, rec.finished_ns,
+                   [(r.step.index, r.position, r.kv_tokens) for r in rec.steps],
+                   [(r.step.index, r.position, r.kv_tokens) for r in rec.chunks],
+                   [step.index for step, timing in rec.stalls if timing.completed],
+                   SequenceFacts(seq.num_cached, seq.num_tokens, seq.num_preemptions) if seq is not None else None)
+
+    def trace(self, shared: dict[int, tuple[Step, StepMeasure]]) -> RequestTrace:
+        def records(where):
+            return [StepRecord(shared[i][0], position, shared[i][1], kv) for i, position, kv in where]
+        return RequestTrace(self.clock, self.request_id, self.added_ns, self.finished_ns, records(self.steps),
+                            records(self.chunks), [shared[i] for i in self.stalls], self.seq)
 
 
 class Recorder:
@@ -147,12 +218,22 @@ class Recorder:
         self.traces: dict[str, RequestTrace] = {}
         self._open: dict[int, tuple[StepMeasure, list[tuple[RequestTrace, Sequence, StepRecord]]]] = {}
         self._finished: list[RequestTrace] = []
+        self._launched = -1  # the index of the latest step launched
+        # the oldest step a watched request may still come to name (None: none is watched); kept up to date on
+        # the engine thread, read by others (the anatomy builder forgets the steps before it)
+        self.oldest_step: int | None = None
 
     def watch(self, request_id: str, t0_ns: int | None = None, clock: Clock | None = None) -> RequestTrace:
         clock = clock or self.clock
-        trace = RequestTrace(clock.at(t0_ns) if t0_ns is not None else clock, request_id)
+        trace = RequestTrace(clock.at(t0_ns) if t0_ns is not None else clock, request_id,
+                             since_step=self._launched + 1)
         self.traces[request_id] = trace
+        self._update_oldest()
         return trace
+
+    def _update_oldest(self) -> None:
+        # watched in step order, so the first trace left is the oldest
+        self.oldest_step = next(iter(self.traces.values())).since_step if self.traces else None
 
     def _now(self) -> object:
         return self.clock.event() if self.clock.cuda else time.perf_counter_ns()
@@ -163,6 +244,7 @@ class Recorder:
             trace.added_ns, trace.seq = t_ns, seq
 
     def on_launch(self, step: Step) -> None:
+        self._launched = step.index
         if not self.traces:
             return
         traces, finished = self.traces, Status.FINISHED
@@ -208,6 +290,7 @@ class Recorder:
         if trace is not None:
             trace.finished_ns = t_ns
             self._finished.append(trace)
+            self._update_oldest()
 
     def take_finished(self) -> list[RequestTrace]:
         """Traces of requests that finished since the last call (call it between steps)."""
@@ -363,7 +446,7 @@ def decode_facts(engine, r: StepRecord, previous: StepRecord, ceilings: Ceilings
         wall_ms = (step.t_end_ns - previous.step.t_end_ns) / 1e6
         joined, left = timing.changes_since(step, previous)
         found = timing._facts[key] = DecodeFacts(
-            cost, device_ms, step.host_work_ns / 1e6, len(step.seqs), cost.part("kv_read", "bytes"),
+            cost, device_ms, step.host_work_ns / 1e6, len(timing.requests(step)), cost.part("kv_read", "bytes"),
             roofline(cost, device_ms / 1e3, wall_ms / 1e3, ceilings), joined, left, timing.num_tokens(step))
     return found
 
@@ -410,26 +493,53 @@ def decode_summary(steps: list[DecodeStep], costs: list[Cost], itl: list[float],
                          roofline(total, device_s, wall_s, ceilings))
 
 
-def kv_record(engine, rec: RequestTrace, seq: Sequence) -> KVCacheRecord:
-    pool = engine.pool
+@dataclass(frozen=True)
+class PoolFacts:
+    """What an anatomy reads of the engine's KV pool that does not change while it serves."""
+
+    bytes_per_token: int
+    formula: str
+    dtype: str
+    block_size: int
+    num_blocks: int
+    total_bytes: int
+    bytes_per_block: int
+    device_total: int | None  # the device's memory (None on the host)
+
+    @classmethod
+    def of(cls, engine) -> "PoolFacts":
+        pool = engine.pool
+        device_total = torch.cuda.mem_get_info(engine.device)[1] if engine.device.type == "cuda" else None
+        return cls(pool.bytes_per_token, kv_formula(engine.config, pool.dtype), str(pool.dtype).split(".")[-1],
+                   pool.block_size, pool.num_blocks, pool.total_bytes, pool.bytes_per_block, device_total)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+def kv_room(engine) -> int:
+    """Bytes a new request's KV could take now: the pool's free blocks and the device's free memory."""
+    device_free = torch.cuda.mem_get_info(engine.device)[0] if engine.device.type == "cuda" else 0
+    return engine.pool.num_free_blocks * engine.pool.bytes_per_block + device_free
+
+
+def kv_record(pool: PoolFacts, room: int, max_model_len: int, rec: RequestTrace, seq) -> KVCacheRecord:
+    """`room`: kv_room() when the request finished."""
     bpt = pool.bytes_per_token
     tokens = seq.num_cached
     blocks = pool.blocks_for(tokens)
-    device_total = torch.cuda.mem_get_info(engine.device)[1] if engine.device.type == "cuda" else None
-    device_free = torch.cuda.mem_get_info(engine.device)[0] if engine.device.type == "cuda" else 0
-    room = pool.num_free_blocks * pool.bytes_per_block + device_free
 
     def fits(length: int) -> int:
         return room // (pool.blocks_for(length) * pool.bytes_per_block) if length else 0
 
     return KVCacheRecord(
-        bytes_per_token=bpt, formula=kv_formula(engine.config, pool.dtype), dtype=str(pool.dtype).split(".")[-1],
+        bytes_per_token=bpt, formula=pool.formula, dtype=pool.dtype,
         block_size=pool.block_size, pool_blocks=pool.num_blocks, pool_bytes=pool.total_bytes,
-        pool_share_of_device=pool.total_bytes / device_total if device_total else None,
+        pool_share_of_device=pool.total_bytes / pool.device_total if pool.device_total else None,
         blocks_allocated=blocks, tokens=tokens, bytes_used=tokens * bpt, bytes_allocated=blocks * pool.bytes_per_block,
         bytes_after_step=[r.kv_tokens * bpt for r in rec.steps],
-        fits_sequences_this_length=fits(seq.num_tokens), fits_sequences_full_context=fits(engine.max_model_len),
-        full_context=engine.max_model_len)
+        fits_sequences_this_length=fits(seq.num_tokens), fits_sequences_full_context=fits(max_model_len),
+        full_context=max_model_len)
 
 
 def co_scheduled(rec: RequestTrace) -> dict[str, int]:
@@ -457,7 +567,7 @@ def batching_record(rec: RequestTrace, queue_ms: float) -> BatchingRecord:
     sizes = [r.batch_size for r in rec.steps] or [1]
     stalls = [Stall(rec.clock.ms(step.t_start_ns), rec.device_ms(timing), timing.requests(step),
                     timing.num_tokens(step))
-              for step, timing in rec.stalls if timing.end is not None]
+              for step, timing in rec.stalls if timing.completed]
     return BatchingRecord(queue_ms, max(sizes), sum(sizes) / len(sizes),
                           rec.seq.num_preemptions if rec.seq is not None else 0,
                           co_scheduled(rec), stalls, sum(s.gpu_ms for s in stalls))

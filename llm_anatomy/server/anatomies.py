@@ -1,17 +1,25 @@
-"""The anatomy builder: finished calls become anatomies on their own thread, without slowing a busy engine.
+"""The anatomy builder: finished calls become anatomies in a process of their own, never holding the server's
+interpreter lock.
 
-Each finished call's latencies go to the metrics at once (a few subtractions on its trace). Building its full
-Anatomy costs milliseconds of Python, and Python threads share one interpreter lock with the engine thread: at
-hundreds of requests a second, building every one as it finishes would take host time the engine's steps
-need. So while the engine has work the builder spends at most `duty` of its time building; what waits is
-built oldest first (the newest `backlog` are kept: older unbuilt ones are dropped and counted), and everything
-left is built as soon as the engine is idle or the server stops. A call whose anatomy someone asks for
-(`anatomy: true`, or GET /v1/anatomy/{id}) is built next, whatever the load.
+Each finished call's latencies go to the metrics at once (a few subtractions on its trace). Its full Anatomy
+costs milliseconds of Python: at hundreds of requests a second, built in the server's process it would take
+the interpreter lock the engine thread and the event loop need. So it is built in a child process
+(anatomy_process.py), started with "spawn" (it never touches the device): this process sends it what the build
+reads (each step's facts once, shared by the calls in it; per call its place in those steps and its own facts)
+and gets back the JSON line, the summary and the energy, which the store and the metrics take here. A sending
+thread and a receiving thread here mostly wait (on the pipe, on the telemetry's next update).
+
+At most `in_flight` calls are in the child at once; the others wait here, oldest first (the newest `backlog`
+are kept: older unbuilt ones are dropped and counted). A call whose anatomy someone asks for (`anatomy: true`,
+or GET /v1/anatomy/{id}) is sent next, whatever waits. If the child dies, the calls it held get an error
+summary, the metrics count a restart, and a new child is started. At stop, everything waiting is built, then
+the child exits.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 import time
 from collections import OrderedDict
@@ -19,10 +27,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..anatomy import Anatomy, Ceilings
-from ..probe.call import TelemetryWindow, build_anatomy
-from ..probe.recorder import RequestTrace
+from ..anatomy import Ceilings
+from ..probe.call import DeviceState, EngineFacts, TelemetryWindow
+from ..probe.recorder import RequestTrace, TraceFacts
 from ..probe.telemetry import TelemetryStream
+from . import anatomy_process
+from .anatomy_process import Built, Job, Setup
 from .metrics import Metrics
 from .store import AnatomyStore
 
@@ -32,39 +42,91 @@ if TYPE_CHECKING:
 log = logging.getLogger("llm_anatomy.server")
 
 
+class Child:
+    """One anatomy_process: its process, the pipe to it, the pipe from it, and which steps it holds."""
+
+    def __init__(self, setup: Setup):
+        spawn = multiprocessing.get_context("spawn")
+        their_inbox, self.inbox = spawn.Pipe(duplex=False)
+        self.outbox, their_outbox = spawn.Pipe(duplex=False)
+        self.process = spawn.Process(target=anatomy_process.main, args=(their_inbox, their_outbox),
+                                     name="llm-anatomy-builder", daemon=True)
+        self.process.start()
+        their_inbox.close()  # the child's ends: closed here, so that the pipes break when it dies
+        their_outbox.close()
+        self.sent_steps: set[int] = set()  # the step snapshots it holds
+        self.setup: Setup | None = setup  # sent (by the sending thread: it waits for the child's start) with its
+        # first job
+    def send_setup(self) -> None:
+        if self.setup is not None:
+            self.inbox.send(self.setup)
+            self.setup = None
+
+    def end(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            log.error("the anatomy builder's process did not exit in %.0f s: terminating it", timeout)
+            self.process.terminate()
+            self.process.join(5)
+        for conn in (self.inbox, self.outbox):
+            conn.close()
+
+
 class AnatomyBuilder:
     def __init__(self, engine, ceilings: Ceilings, store: AnatomyStore, metrics: Metrics,
-                 telemetry: TelemetryStream | None, telemetry_note: str, device_why: str, duty: float = 0.25,
-                 backlog: int | None = None):
-        if not 0 < duty <= 1:
-            raise ValueError(f"duty must be in (0, 1], got {duty}")
-        self.engine, self.ceilings, self.store, self.metrics = engine, ceilings, store, metrics
-        self.telemetry, self.telemetry_note, self.device_why = telemetry, telemetry_note, device_why
-        self.duty = duty
+                 telemetry: TelemetryStream | None, telemetry_note: str, device_why: str,
+                 backlog: int | None = None, in_flight: int = 2):
+        if not isinstance(in_flight, int) or in_flight < 1:
+            raise ValueError(f"in_flight must be an integer >= 1, got {in_flight!r}")
+        self.engine, self.store, self.metrics = engine, store, metrics
+        self.setup = Setup(EngineFacts.of(engine), ceilings, device_why)
+        self.telemetry, self.telemetry_note = telemetry, telemetry_note
         self.backlog = backlog or store.keep
+        self.in_flight = in_flight
         self._waiting: OrderedDict[str, tuple] = OrderedDict()  # id -> (call, trace, result), oldest first
         self._wanted: set[str] = set()
         self._fresh: list[tuple] = []  # finished calls whose metrics are not recorded yet
+        self._building: dict[str, tuple] = {}  # id -> (call, seconds waited here) of the calls in the child
         self._lock = threading.Condition()
         self._stopping = False
-        self._next_build = 0.0  # time.monotonic() before which a busy engine's builder rests
-        self._thread = threading.Thread(target=self._run, name="llm-anatomy-anatomy", daemon=True)
+        self._child: Child | None = None
+        self._stale: list = []  # inboxes of dead children, for the sending thread to close
+        self._live_from: int | None = None  # the oldest step a call still running may need (Recorder.oldest_step)
+        self.restarts = 0
+        self._sender = threading.Thread(target=self._send_loop, name="llm-anatomy-anatomy-send", daemon=True)
+        self._receiver = threading.Thread(target=self._receive_loop, name="llm-anatomy-anatomy-receive",
+                                          daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, ready_timeout: float = 300.0) -> None:
+        """Start the child and wait until it is ready (its imports take seconds: the first calls' anatomies
+        should not wait for them)."""
+        self._child = Child(self.setup)
+        self._child.send_setup()
+        if not self._child.outbox.poll(ready_timeout):
+            raise RuntimeError(f"the anatomy builder's process was not ready in {ready_timeout:.0f} s")
+        self._child.outbox.recv()
+        self._sender.start()
+        self._receiver.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Build what is left (the engine has stopped), then end the thread."""
+        """Build what is left (the engine has stopped), then end the child and the threads."""
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
-        self._thread.join(timeout)
+        self._sender.join(timeout)
+        self._receiver.join(timeout)
+        with self._lock:
+            child, self._child = self._child, None
+        if child is not None:
+            child.end(timeout)
 
     # ---- from other threads ---------------------------------------------------------------------------
-    def add(self, call: "Call", trace: RequestTrace, result) -> None:
-        """A finished call (engine thread): its metrics now, its anatomy when the budget allows."""
+    def add(self, call: "Call", trace: RequestTrace, result, live_from: int | None = None) -> None:
+        """A finished call (engine thread): its metrics now, its anatomy when the child can take it. `live_from`:
+        the oldest step the calls still running may come to need (the child forgets those before it)."""
         self.store.expect(call.id, call.owner)
         with self._lock:
+            self._live_from = live_from
             item = (call, trace, result)
             self._waiting[call.id] = item
             self._fresh.append(item)
@@ -88,18 +150,20 @@ class AnatomyBuilder:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    # ---- the builder thread ---------------------------------------------------------------------------
+    # ---- the sending thread ---------------------------------------------------------------------------
     def _pick(self) -> tuple | None:
-        """The call to build now, if any (called with the lock held)."""
+        """The call to send now, if the child has room (called with the lock held)."""
+        if len(self._building) >= self.in_flight or self._child is None:
+            return None
         self._wanted &= self._waiting.keys()
         if self._wanted:
             return self._waiting.pop(self._wanted.pop())
-        if self._waiting and (self._stopping or time.monotonic() >= self._next_build or not self.engine.has_work()):
+        if self._waiting:
             return self._waiting.popitem(last=False)[1]
         return None
 
     def _next(self) -> tuple[list, tuple | None, bool]:
-        """(finished calls whose metrics are due, the call to build next or None, whether to stop)."""
+        """(finished calls whose metrics are due, the call to send next or None, whether to stop)."""
         with self._lock:
             while True:
                 fresh, self._fresh = self._fresh, []
@@ -108,22 +172,28 @@ class AnatomyBuilder:
                     return fresh, item, False
                 if self._stopping and not self._waiting:
                     return [], None, True
-                # with calls waiting, look again soon: the budget frees up, or the engine goes idle
-                self._lock.wait(min(max(self._next_build - time.monotonic(), 0.001), 0.05) if self._waiting else None)
+                self._lock.wait()
 
-    def _run(self) -> None:
-        if self.engine.device.type == "cuda":
+    def _send_loop(self) -> None:
+        if self.engine.device.type == "cuda":  # reading the steps' device events
             torch.cuda.set_device(self.engine.device)
         while True:
             fresh, item, stop = self._next()
             if stop:
-                return
+                break
             for call, trace, result in fresh:
                 self._metrics(call, trace, result)
             if item is not None:
-                cpu0 = time.thread_time()  # the interpreter time it took (waits for telemetry do not count)
-                self._build(*item)
-                self._next_build = time.monotonic() + (time.thread_time() - cpu0) * (1 / self.duty - 1)
+                self._send(*item)
+        with self._lock:  # everything is in the child: let it finish and exit
+            while self._building and self._child is not None:
+                self._lock.wait()
+            child = self._child
+        if child is not None:
+            try:
+                child.inbox.send(None)
+            except OSError:  # it died meanwhile: the receiving thread reports it
+                pass
 
     def _metrics(self, call: "Call", trace: RequestTrace, result) -> None:
         try:
@@ -133,36 +203,49 @@ class AnatomyBuilder:
         except Exception:  # noqa: BLE001 - a bad record must not take the server down
             log.exception("the metrics of %s could not be recorded", call.id)
 
-    def _build(self, call: "Call", trace: RequestTrace, result) -> None:
-        summary = None
+    def _send(self, call: "Call", trace: RequestTrace, result) -> None:
+        if not trace.steps:  # aborted before its prefill: nothing ran for it
+            self.store.give_up(call.id)
+            self._finish(call, None)
+            return
         t0 = time.perf_counter()
         try:
-            anatomy = self._anatomy(call, trace, result)
-            self.metrics.anatomy_build.labels(self.metrics.model).observe(time.perf_counter() - t0)
-            if anatomy is not None:
-                self.store.add(anatomy, call.owner)
-                self.metrics.observe_energy(anatomy)
-                summary = anatomy.summary()
-            else:
-                self.store.give_up(call.id)
+            job = self._job(call, trace, result)
+            shared = trace.shared_steps()
         except Exception as e:  # noqa: BLE001 - a bad record must not take the server down
-            log.exception("building the anatomy of %s failed", call.id)
-            self.store.give_up(call.id)
-            summary = {"id": call.id, "error": f"the anatomy could not be built: {type(e).__name__}: {e}"}
-        call.anatomy, call.anatomy_built = summary, True
-        call.post(("anatomy", summary))
+            log.exception("preparing the anatomy of %s failed", call.id)
+            self._failed(call, f"the anatomy could not be built: {type(e).__name__}: {e}")
+            return
+        with self._lock:
+            stale, self._stale = self._stale, []
+            child = self._child
+            if child is not None:
+                self._building[call.id] = (call, time.perf_counter() - t0)
+                new = {i: step_and_measure for i, step_and_measure in shared.items() if i not in child.sent_steps}
+                keep_from = min([min(shared)] + [t.first_step() for _, t, _ in self._waiting.values()]
+                                + ([] if self._live_from is None else [self._live_from]))
+        for conn in stale:
+            conn.close()
+        if child is None:  # the child died as the server stopped: no new one is started then
+            self._failed(call, "the anatomy could not be built: the anatomy builder's process died at shutdown")
+            return
+        try:
+            child.send_setup()
+            snapshots = {i: measure.snapshot(step, trace.clock) for i, (step, measure) in new.items()}
+            child.inbox.send((snapshots, job, keep_from))
+            with self._lock:
+                child.sent_steps.update(snapshots)
+                child.sent_steps.difference_update([i for i in child.sent_steps if i < keep_from])
+        except OSError:  # the child died: the receiving thread answers the calls it held and starts another
+            pass
+        except Exception as e:  # noqa: BLE001 - this call's record could not be sent
+            log.exception("sending the anatomy of %s to the builder failed", call.id)
+            with self._lock:
+                self._building.pop(call.id, None)
+                self._lock.notify_all()
+            self._failed(call, f"the anatomy could not be built: {type(e).__name__}: {e}")
 
-    def _give_up(self, call: "Call", why: str) -> None:
-        """An unbuilt anatomy pushed out of the backlog: its metrics still count."""
-        self.metrics.anatomies_dropped.labels(self.metrics.model).inc()
-        self.store.give_up(call.id)
-        call.anatomy, call.anatomy_built = {"id": call.id, "error": f"the anatomy was {why}: the server was too "
-                                                                   f"busy to build it"}, True
-        call.post(("anatomy", call.anatomy))
-
-    def _anatomy(self, call: "Call", trace: RequestTrace, result) -> Anatomy | None:
-        if not trace.steps:  # aborted before its prefill: nothing ran for it
-            return None
+    def _job(self, call: "Call", trace: RequestTrace, result) -> Job:
         samples = []
         if self.telemetry is not None:
             deadline = time.monotonic() + 0.5  # the energy counter needs an update after the call's end
@@ -174,6 +257,82 @@ class AnatomyBuilder:
         request = call.request
         shown = {**request.shown, "endpoint": "/v1/chat/completions" if request.chat else "/v1/completions",
                  "sampling": {k: v for k, v in vars(call.params).items() if k != "extra"}}
-        notes = ["Served: activation peak not measured (requests share the device)."]
-        return build_anatomy(self.engine, shown, result, trace, self.ceilings, window, self.device_why, call.marks,
-                             notes=notes)
+        return Job(shown, result, TraceFacts.of(trace), call.marks, window, DeviceState.of(self.engine))
+
+    # ---- the receiving thread -------------------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        while True:
+            with self._lock:
+                child = self._child
+            if child is None:
+                return
+            try:
+                built: Built | str = child.outbox.recv()
+            except (EOFError, OSError):
+                if not self._child_ended(child):
+                    return
+                continue
+            if built == "ready":  # a restarted child's
+                continue
+            with self._lock:
+                call, waited = self._building.pop(built.id, (None, 0.0))
+                self._lock.notify_all()
+            if call is not None:
+                self._take(call, built, waited)
+
+    def _take(self, call: "Call", built: Built, waited: float) -> None:
+        try:
+            if built.json is None:
+                log.error("building the anatomy of %s failed:\n%s", call.id, built.failure)
+                self.store.give_up(call.id)
+            else:
+                self.metrics.anatomy_build.labels(self.metrics.model).observe(waited + built.seconds)
+                self.store.add_json(call.id, built.json, call.owner)
+                self.metrics.observe_joules(built.joules)
+            self._finish(call, built.summary)
+        except Exception as e:  # noqa: BLE001 - a bad record must not take the server down
+            log.exception("storing the anatomy of %s failed", call.id)
+            self._failed(call, f"the anatomy could not be stored: {type(e).__name__}: {e}")
+
+    def _child_ended(self, child: Child) -> bool:
+        """The child's pipe closed: it exited after a stop, or died. Whether to go on receiving (from a new one)."""
+        child.process.join(5)
+        with self._lock:
+            done = self._stopping and not self._waiting
+        fresh = None if done else Child(self.setup)  # started outside the lock: the engine thread takes it
+        with self._lock:
+            lost = list(self._building.values())
+            self._building.clear()
+            self._child = fresh
+            if fresh is not None:
+                self.restarts += 1
+                self.metrics.anatomy_builder_restarts.labels(self.metrics.model).inc()
+            self._lock.notify_all()
+        child.outbox.close()  # its inbox is the sending thread's: closed there (a send may be under way)
+        with self._lock:
+            self._stale.append(child.inbox)
+        if done:
+            return False
+        why = f"the anatomy builder's process died (exit code {child.process.exitcode})"
+        log.error("%s with %d anatomies in it; a new one was started", why, len(lost))
+        for call, _ in lost:
+            self.store.give_up(call.id)
+            self._finish(call, {"id": call.id, "error": f"the anatomy could not be built: {why}"})
+        return True
+
+    def _failed(self, call: "Call", error: str) -> None:
+        self.store.give_up(call.id)
+        self._finish(call, {"id": call.id, "error": error})
+
+    @staticmethod
+    def _finish(call: "Call", summary: dict | None) -> None:
+        call.anatomy, call.anatomy_built = summary, True
+        call.post(("anatomy", summary))
+
+    def _give_up(self, call: "Call", why: str) -> None:
+        """An unbuilt anatomy pushed out of the backlog: its metrics still count."""
+        self.metrics.anatomies_dropped.labels(self.metrics.model).inc()
+        self.store.give_up(call.id)
+        call.anatomy, call.anatomy_built = {"id": call.id, "error": f"the anatomy was {why}: the server was too "
+                                                                   f"busy to build it"}, True
+        call.post(("anatomy", call.anatomy))

@@ -68,11 +68,10 @@ class DrainingServer(uvicorn.Server):
 def build_server(engine, *, host: str, port: int, model_names: tuple[str, ...], ceilings, run_dir,
                  keep_anatomies: int = 1000, api_keys: tuple[str, ...] = (), api_key: str | None = None,
                  max_body_bytes: int = 4 << 20, device_why: str = "", telemetry_hz: float | None = 50.0,
-                 drain_timeout_s: float = 120.0, anatomy_duty: float = 0.25, stream_interval: int = 1,
+                 drain_timeout_s: float = 120.0, stream_interval: int = 1,
                  log_level: str = "warning") -> tuple[DrainingServer, EngineLoop]:
     """The uvicorn server and its engine loop (started and stopped by the app's lifespan). `api_keys`: the
-    accepted keys (`api_key`, one more); none: no key needed. `anatomy_duty`: the most of its time the anatomy
-    builder may take while the engine has work (anatomies.py). `stream_interval`: tokens per streamed chunk
+    accepted keys (`api_key`, one more); none: no key needed. `stream_interval`: tokens per streamed chunk
     at most (loop.py)."""
     from ..probe.telemetry import TelemetryStream, nvml_status
     from .anatomies import AnatomyBuilder
@@ -85,7 +84,7 @@ def build_server(engine, *, host: str, port: int, model_names: tuple[str, ...], 
     telemetry = TelemetryStream(engine.device, telemetry_hz) if available else None
     store = AnatomyStore(run_dir, keep_anatomies)
     builder = AnatomyBuilder(engine, ceilings, store, Metrics(model_names[0], engine, telemetry), telemetry, note,
-                             device_why, duty=anatomy_duty)
+                             device_why)
     loop = EngineLoop(engine, builder, stream_interval)
     if telemetry is not None:
         telemetry.start()

@@ -388,6 +388,6 @@ class EngineLoop:
                     call.done = True
                     call.post(Progress(seq.text, len(seq.output_token_ids), seq.finish_reason, seq.output_token_ids,
                                        seq.logprobs))
-                self.builder.add(call, trace, self.engine.result(seq, call.prompt_text))
+                self.builder.add(call, trace, self.engine.result(seq, call.prompt_text), self.recorder.oldest_step)
             except Exception as e:  # noqa: BLE001 - this call's record is lost, nothing else
                 self._fail(call, e, "recording")

@@ -150,11 +150,15 @@ class Metrics:
                                        "update).", m, buckets=TPOT_BUCKETS, registry=r)
         self.anatomies_dropped = Counter(PREFIX + "anatomies_dropped", "Anatomies not built: the server was too busy "
                                          "to build them before newer ones pushed them out.", m, registry=r)
+        self.anatomy_builder_restarts = Counter(
+            PREFIX + "anatomy_builder_restarts", "Times the anatomy builder's process died and a new one was started "
+            "(the anatomies it was building were lost: their calls got an error summary).", m, registry=r)
         self.live = _Live(model, engine, telemetry)
         r.register(self.live)
         self.vllm_registry = CollectorRegistry()
         self.vllm_registry.register(_VllmNames(r))
-        for family in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.anatomies_dropped):
+        for family in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.anatomies_dropped,
+                       self.anatomy_builder_restarts):
             family.labels(model)  # exported at 0 from the start
 
     def observe_trace(self, trace: RequestTrace, marks: Marks, output_tokens: int) -> None:
@@ -174,10 +178,12 @@ class Metrics:
 
     def observe_energy(self, a: Anatomy) -> None:
         """A built anatomy: its energy (the device's, or its share of it when batched)."""
-        energy = {e.phase: e for e in a.telemetry.energy}
-        call = energy.get("call_attributed") or energy.get("call")
-        if call is not None and call.joules > 0:
-            self.energy.labels(self.model).inc(call.joules)
+        self.observe_joules(call_joules(a))
+
+    def observe_joules(self, joules: float | None) -> None:
+        """A built anatomy's call_joules (taken where it was built)."""
+        if joules is not None and joules > 0:
+            self.energy.labels(self.model).inc(joules)
 
     def finished(self, reason: str, prompt_tokens: int, output_tokens: int) -> None:
         """Every finished call (with or without an anatomy): its tokens and how it ended."""
@@ -188,3 +194,10 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry) + generate_latest(self.vllm_registry)
 
+
+def call_joules(a: Anatomy) -> float | None:
+    """What a built anatomy adds to the energy counter: its call's energy (the device's, or its share when
+    batched)."""
+    energy = {e.phase: e for e in a.telemetry.energy}
+    call = energy.get("call_attributed") or energy.get("call")
+    return call.joules if call is not None else None

@@ -97,20 +97,23 @@ class AnatomyStore:
             self._lock.notify_all()
 
     def add(self, anatomy: Anatomy, owner: str | None = None) -> None:
-        body = anatomy.to_json().encode()
-        head = _wrapper_head(anatomy.id, owner) if owner is not None else b""
+        self.add_json(anatomy.id, anatomy.to_json().encode(), owner)
+
+    def add_json(self, anatomy_id: str, body: bytes, owner: str | None = None) -> None:
+        """An anatomy already turned into JSON (Anatomy.to_json, encoded), where it was built."""
+        head = _wrapper_head(anatomy_id, owner) if owner is not None else b""
         line = head + body + (_WRAPPER_TAIL if owner is not None else b"\n")
         with self._lock:
             offset = self._file.seek(0, os.SEEK_END)
             self._file.write(line)
             self._file.flush()
-            self._index[anatomy.id] = (offset + len(head), len(body), owner)
+            self._index[anatomy_id] = (offset + len(head), len(body), owner)
             self._lines += 1
             while len(self._index) > self.keep:
                 self._index.popitem(last=False)
             if self._lines > self.keep + max(1, self.keep // 4):
                 self._compact()
-            self._pending.pop(anatomy.id, None)
+            self._pending.pop(anatomy_id, None)
             self._lock.notify_all()
 
     def _compact(self) -> None:
