@@ -163,6 +163,31 @@ def test_the_builders_process_dying_loses_its_calls_alone(engine, tmp_path):
     assert builder._child is None and first.exitcode is not None
 
 
+def test_a_signal_to_the_servers_process_group_leaves_the_builders_process_alone(engine, tmp_path):
+    """Ctrl-C in a terminal (SIGINT) or a supervisor's SIGTERM reaches every process of the server's group: the
+    builder's process stays, builds what it is sent, and ends when the server stops it."""
+    import os
+    import signal
+
+    calls = finished_calls(engine, 2)
+    store = AnatomyStore(tmp_path, keep=10)
+    builder = builder_for(engine, store)
+    builder.start()
+    try:
+        child = builder._child.process
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(child.pid, sig)
+        for item in calls:
+            builder.add(*item)
+        wait_for(lambda: all(c.anatomy_built for c, _, _ in calls))
+        assert child.is_alive() and builder.restarts == 0
+        assert all("error" not in c.anatomy for c, _, _ in calls)
+    finally:
+        builder.stop()
+        store.close()
+    assert child.exitcode == 0
+
+
 def test_many_values_histogram_exports_what_prometheus_client_would():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 

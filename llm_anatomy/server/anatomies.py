@@ -65,8 +65,8 @@ class Child:
     def end(self, timeout: float) -> None:
         self.process.join(timeout)
         if self.process.is_alive():
-            log.error("the anatomy builder's process did not exit in %.0f s: terminating it", timeout)
-            self.process.terminate()
+            log.error("the anatomy builder's process did not exit in %.0f s: killing it", timeout)
+            self.process.kill()  # it ignores SIGTERM (anatomy_process.main)
             self.process.join(5)
         for conn in (self.inbox, self.outbox):
             conn.close()

@@ -15,6 +15,7 @@ could not be built. Nothing here is shared with the server's process but the two
 
 from __future__ import annotations
 
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -89,6 +90,11 @@ class Builder:
 
 def main(inbox, outbox) -> None:
     """The process's body: Jobs in, Builts out, until None (or the server's end of the pipe closes)."""
+    # The server ends this process through the pipe, once what it queued is built: a Ctrl-C or a SIGTERM sent to
+    # the server's whole process group must not end it first (the calls in it would lose their anatomies, and
+    # the server would start another while it drains). A server that dies closes the pipe, which ends it too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         setup = inbox.recv()  # None: stopped before any call was sent
         builder = Builder(setup) if setup is not None else None
