@@ -90,7 +90,8 @@ def test_w8a8_gemv_matches_the_product_of_its_quantized_operands(gated, rows):
     xq, x_scale = xq.to(DEVICE), x_scale.to(DEVICE)
     assert supports_w8a8(xq, q)
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-    out = w8a8_gemv(xq, x_scale, q, scale, dtype, gated)
+    strided = torch.cat([x_scale, torch.zeros_like(x_scale)], dim=1)[:, :1]  # a [M, 1] view with a row stride of 2
+    out = w8a8_gemv(xq, strided, q, scale, dtype, gated)
     ref = fp8_matmul_reference(xq.float() * x_scale, q, scale, None, gated).to(dtype)
     assert out.shape == ref.shape == (rows, 40 if gated else 72) and out.dtype == dtype
     assert rel(out, ref) < TOL[dtype]

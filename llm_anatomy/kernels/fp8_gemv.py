@@ -163,8 +163,8 @@ def w8a8_gemv(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, sca
     tile = tile or w8a8_tile(k, gated)
     y = torch.empty(m, n, dtype=dtype, device=xq.device)
     _w8a8_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
-        xq, x_scale, weight, scale, y, m, n, xq.stride(0), weight.stride(0), y.stride(0), K=k, GATED=gated,
-        USE_PDL=pdl, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, launch_pdl=pdl, num_warps=tile.num_warps,
+        xq, x_scale.reshape(m).contiguous(), weight, scale, y, m, n, xq.stride(0), weight.stride(0), y.stride(0),
+        K=k, GATED=gated, USE_PDL=pdl, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, launch_pdl=pdl, num_warps=tile.num_warps,
         num_stages=tile.num_stages)
     return y
 
