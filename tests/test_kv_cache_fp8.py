@@ -116,3 +116,52 @@ def test_store_kernel_writes_fp8_and_decode_kernel_reads_it():
     got = paged_decode_attention(query, k_cache, v_cache, tables, lens, 1 / math.sqrt(d), splits=3, block_n=16)
     want = decode_attention(query, k_cache.float(), v_cache.float(), tables, lens)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("block_n,splits", [(16, 3), (32, 1)])
+def test_decode_kernel_reads_an_fp8_cache_for_a_bf16_query(block_n, splits):
+    """The engine's case: a bf16 query over an fp8 cache (tiles to fp16, the dots in fp16; on the GPU read as 4-byte
+    words and converted by PTX, under the interpreter cast) against the float32 attention over the same values;
+    one split writes its output itself. Pages out of order, a padded row."""
+    from llm_anatomy.kernels.decode_attention import paged_decode_attention
+
+    device = _kernels_or_skip()
+    heads, kv_heads, d, page, pages = 8, 2, 32, 4, 20
+    k_cache = rand(pages, page, kv_heads, d, seed=5, scale=3.0).to(FP8).to(device)
+    v_cache = rand(pages, page, kv_heads, d, seed=6, scale=3.0).to(FP8).to(device)
+    perm = torch.randperm(pages, generator=torch.Generator().manual_seed(1))
+    tables = torch.zeros(3, 10, dtype=torch.int32)
+    tables[0, :10], tables[1, :3] = perm[:10], perm[10:13]
+    tables, lens = tables.to(device), torch.tensor([37, 9, 0], dtype=torch.int32, device=device)
+    q = rand(3, heads, d, seed=7).to(torch.bfloat16).to(device)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, 1 / math.sqrt(d), splits=splits, block_n=block_n)
+    assert got.dtype == torch.bfloat16
+    want = decode_attention(q[:2].float(), k_cache.float(), v_cache.float(), tables[:2], lens[:2])
+    # the output's rounding to bf16 alone is 1.6e-3 here; p in fp16 (and the interpreter's fp16 dots) the rest
+    assert ((got[:2].float() - want).norm() / want.norm()).item() < 4e-3
+    assert got[2].abs().sum() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_tile_words_convert_every_e4m3_byte_exactly():
+    """The PTX conversion of 4-byte words gives every one of the 256 e4m3 values as fp16 exactly, in place, NaN kept."""
+    import triton
+    import triton.language as tl
+
+    from llm_anatomy.kernels.decode_attention import _fp8_tile
+
+    @triton.jit
+    def convert(src, dst, WORDS: tl.constexpr):
+        rows, cols = tl.arange(0, 16), tl.arange(0, 128)
+        offs = rows[:, None] * 128 + cols[None, :]
+        tile = _fp8_tile(src, offs, rows.to(tl.int64), 0, rows < 16, 128, 128, 16, WORDS)
+        tl.store(dst + offs, tile)
+
+    raw = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(8).view(16, 128)
+    want = raw.view(FP8).to(torch.float16)
+    for words in (True, False):
+        got = torch.empty(16, 128, dtype=torch.float16, device="cuda")
+        convert[(1,)](raw.view(FP8), got, WORDS=words)
+        nan = want.isnan()
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)) and got[nan].isnan().all()

@@ -8,10 +8,18 @@ enough for one split a sequence has nothing to merge: its split kernel writes th
 gathered through the block table per token, so the tile (BLOCK_N tokens) does not depend on the page size. Only
 each sequence's valid context is read.
 
+An fp8 e4m3 cache is read as 4-byte words and converted in registers to fp16 by PTX (`cvt.rn.f16x2.e4m3x2`, exact,
+NaN kept), with the query and the probabilities in fp16 for the two dots. Loaded as fp8 and cast, Triton moves the
+cast past the staging in shared memory: V, the dot's transposed operand, is then gathered from it byte by byte, and
+each value goes to bf16 by way of fp16 (benchmarks/README.md). fp16 holds a bf16 query exactly down to 6e-5 and up
+to 65504 (Qwen3's queries are RMS-normalised: far inside), and the probabilities with more bits than bf16.
+
 (Two alternatives measured slower in the decode step, benchmarks/README.md: merging in the split kernel's
 last-arriving program through an atomic counter, which saves a launch but makes the merge a serial chain of
 loads; and a split kernel in CUDA C++ that reads the cache before its PDL wait.)
 """
+
+import os
 
 import torch
 import triton
@@ -42,16 +50,54 @@ def merge_chunks(programs: int, head_dim: int, sm_count: int) -> int:
 
 
 @triton.jit
+def _e4m3x4_to_f16(words):
+    """Each int32 word's four e4m3 bytes as four fp16 tensors, the lowest byte first (exact: two cvt a word)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        .reg .b32 h0, h1;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 h0, lo;
+        cvt.rn.f16x2.e4m3x2 h1, hi;
+        mov.b32 {$0, $1}, h0;
+        mov.b32 {$2, $3}, h1;
+        }""",
+        constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp8_tile(ptr, offs, slot, head_offset, valid, stride_slot, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+              WORDS: tl.constexpr):
+    """A [BLOCK_N, HEAD_DIM] tile of an fp8 e4m3 cache as fp16. WORDS: read as int32 words and converted in
+    registers (the module's docstring says why); else (Triton's interpreter, which runs no PTX, or a cache not in
+    4-byte words) loaded and cast, the same values."""
+    if WORDS:
+        w = tl.arange(0, HEAD_DIM // 4)
+        word_offs = slot[:, None] * (stride_slot // 4) + head_offset // 4 + w[None, :]
+        words = tl.load(ptr.to(tl.pointer_type(tl.int32)) + word_offs, mask=valid[:, None], other=0)
+        b0, b1, b2, b3 = _e4m3x4_to_f16(words)
+        # join's new axis is last: ((b0, b2), (b1, b3)) flattens to b0 b1 b2 b3, the bytes' order
+        return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BLOCK_N, HEAD_DIM])
+    return tl.load(ptr + offs, mask=valid[:, None], other=0.0).to(tl.float16)
+
+
+@triton.jit
 def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot, stride_head,
-                 page_size, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                 page_size, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                 WORDS: tl.constexpr):
     d = tl.arange(0, HEAD_DIM)
     tok = n0 + tl.arange(0, BLOCK_N)
     valid = tok < end
     page = tl.load(table_ptr + b * stride_tb + tok // page_size, mask=valid, other=0)
     slot = page.to(tl.int64) * page_size + tok % page_size
     offs = slot[:, None] * stride_slot + kvh * stride_head + d[None, :]
-    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)  # an fp8 cache: scale 1 (rope.py)
-    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+    if FP8:  # scale 1 (rope.py); q is fp16 already (the split kernel)
+        k = _fp8_tile(k_ptr, offs, slot, kvh * stride_head, valid, stride_slot, HEAD_DIM, BLOCK_N, WORDS)
+        v = _fp8_tile(v_ptr, offs, slot, kvh * stride_head, valid, stride_slot, HEAD_DIM, BLOCK_N, WORDS)
+    else:
+        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
     if IEEE:  # float32 caches: exact products, not TF32
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
@@ -80,7 +126,8 @@ def _split_len(ctx, splits, BLOCK_N: tl.constexpr):
 def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_ptr, ml_ptr, out_ptr, scale,
                   stride_qb, stride_qh, stride_ob, stride_oh, stride_tb, stride_slot, stride_head, n_kv_heads,
                   page_size, splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr):
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
+                  FP8: tl.constexpr, WORDS: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -99,12 +146,14 @@ def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, acc_
         heads = kvh * GROUP + g
         gmask = g < GROUP
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+        if FP8:
+            q = q.to(tl.float16)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             m, l, acc = _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb,
-                                     stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE)
+                                     stride_slot, stride_head, page_size, HEAD_DIM, BLOCK_N, IEEE, FP8, WORDS)
         if DIRECT:  # one split: the output itself, as the merge would make it of one split
             out = acc / tl.maximum(l, 1e-30)[:, None]
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -172,6 +221,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = block_n or BLOCK_N
     out = torch.empty_like(q)
     direct = splits == 1  # large batches: nothing to merge, the split kernel writes the output
+    fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32  # a float32 query: exact float32 dots
+    words = (fp8 and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and head_dim % 4 == 0
+             and k_cache.stride(1) % 4 == 0 and k_cache.stride(2) % 4 == 0
+             and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
     acc = torch.empty(0 if direct else batch * n_heads * splits * head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(0 if direct else batch * n_heads * splits * 2, dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
@@ -179,7 +232,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_kv_heads,
         page_size, splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, DIRECT=direct,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages)
+        USE_PDL=pdl, FP8=fp8, WORDS=words, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out
     splits_pad = max(2, triton.next_power_of_2(splits))
