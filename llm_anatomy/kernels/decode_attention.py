@@ -31,6 +31,7 @@ from .pdl import gdc_enter
 # Tile and pipelining for long contexts, where the attention's bytes matter (benchmarks/README.md); the short
 # graph takes its own tile (DecodeAttentionPlan.short_block_n). Any config is correct.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
+FP8_STAGES = 3  # an fp8 cache's 128-token tiles (half a bf16 tile's bytes): one more in flight
 
 
 def merge_warps(splits_pad: int, d_block: int) -> int:
@@ -206,7 +207,7 @@ def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            splits: int | None = None, block_n: int | None = None, num_warps: int = NUM_WARPS,
-                           num_stages: int = NUM_STAGES, pdl: bool = False, launch_first: bool = False
+                           num_stages: int | None = None, pdl: bool = False, launch_first: bool = False
                            ) -> torch.Tensor:
     """q [B, H, D]; k/v_cache one layer's [pages, page_size, KVH, D], in any strides that keep slots flat;
     block_tables [B, max_pages] int32; context_lens [B] int32 (0 for a padded row, which then gets zeros)
@@ -225,6 +226,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     words = (fp8 and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and head_dim % 4 == 0
              and k_cache.stride(1) % 4 == 0 and k_cache.stride(2) % 4 == 0
              and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
+    if num_stages is None:
+        num_stages = FP8_STAGES if fp8 and block_n == BLOCK_N else NUM_STAGES
     acc = torch.empty(0 if direct else batch * n_heads * splits * head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(0 if direct else batch * n_heads * splits * 2, dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(batch, n_kv_heads, splits)](
