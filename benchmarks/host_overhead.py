@@ -16,6 +16,7 @@ Runs on the CPU; no GPU.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -288,6 +289,7 @@ def server_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run
     parent, child = anatomy_costs(loop.builder, engine, finished)
     steps = output_tokens  # each call's anatomy covers its `output_tokens` steps, shared by the batch
     return {"engine_thread_ms": statistics.median(times), "engine_thread_cpu_ms": statistics.median(cpu),
+            "engine_thread_cpu_mean_ms": statistics.mean(cpu),  # with the collector's pauses, which the median skips
             "event_loop_ms": loop_cpu_s * 1e3 / max(1, output_tokens),
             "anatomy_parent_ms_per_call": statistics.median(parent),
             "anatomy_parent_ms_per_step": statistics.mean(parent) * batch / steps,
@@ -329,21 +331,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=output_file, help="also write the figures here")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(THIS_CHECKOUT))
+    from llm_anatomy.cli import settle_heap
+    from llm_anatomy.server.app import collector_while_serving
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for b in args.batch_sizes:
             engine = tiny_engine(Path(tmp) / "model", b, args.prompt_tokens, args.output_tokens)
+            settle_heap()  # as `llm-anatomy serve` does after start-up
             bare = statistics.median(bare_engine_steps(engine, b, args.prompt_tokens, args.output_tokens))
-            served = server_steps(engine, b, args.prompt_tokens, args.output_tokens, Path(tmp) / f"run{b}")
-            http = http_steps(engine, b, args.prompt_tokens, args.output_tokens, Path(tmp) / f"http{b}")
+            with collector_while_serving():
+                served = server_steps(engine, b, args.prompt_tokens, args.output_tokens, Path(tmp) / f"run{b}")
+                http = http_steps(engine, b, args.prompt_tokens, args.output_tokens, Path(tmp) / f"http{b}")
+            gc.unfreeze()  # this engine's heap back to the collector (the next batch size makes its own)
             rows.append({"batch": b, "bare_engine_ms": bare, **served, **http})
             print(json.dumps(rows[-1]), flush=True)
-    print("\nhost ms per decode step (median)\n| batch | bare engine | server engine thread (its CPU) | "
+    print("\nhost ms per decode step (median)\n| batch | bare engine | server engine thread (its CPU; mean) | "
           "event loop (SSE lines) | event loop through HTTP (us a chunk) | anatomies: server process per step (per call) | builder process per step "
           "(per call) |")
     for r in rows:
         print(f"| {r['batch']} | {r['bare_engine_ms']:.2f} | {r['engine_thread_ms']:.2f} "
-              f"({r['engine_thread_cpu_ms']:.2f}) | {r['event_loop_ms']:.2f} "
+              f"({r['engine_thread_cpu_ms']:.2f}; {r['engine_thread_cpu_mean_ms']:.2f}) | {r['event_loop_ms']:.2f} "
               f"| {r['http_loop_ms']:.2f} ({r['http_us_per_chunk']:.1f}) "
               f"| {r['anatomy_parent_ms_per_step']:.2f} ({r['anatomy_parent_ms_per_call']:.2f}) "
               f"| {r['anatomy_ms_per_step']:.2f} ({r['anatomy_ms_per_call']:.1f}) |")
