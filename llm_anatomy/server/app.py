@@ -7,8 +7,9 @@ anatomy_routes.py (GET /v1/anatomy, /v1/anatomy/{id}, /anatomy/{id}), ops.py (GE
 
 from __future__ import annotations
 
+import gc
 import sys
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import uvicorn
@@ -23,6 +24,7 @@ from .loop import EngineLoop
 
 KEEP_ALIVE_S = 75  # longer than clients' idle pools keep a connection (httpx: 5 s), so the client closes it first
 SHUTDOWN_GRACE_S = 5  # after a drain, for responses still being written
+SERVING_GC_THRESHOLD = 20_000  # allocations between the collector's young passes while serving (Python's: 700)
 
 
 def create_app(ctx: ServerContext, on_shutdown=None) -> FastAPI:
@@ -106,19 +108,38 @@ def build_server(engine, *, host: str, port: int, model_names: tuple[str, ...], 
     return DrainingServer(config, drain), loop
 
 
-def serve(engine, sockets=None, switch_interval_s: float | None = 0.001, **options) -> None:
+@contextmanager
+def collector_while_serving(threshold: int | None = SERVING_GC_THRESHOLD):
+    """The cyclic collector's young passes every `threshold` allocations in this block (None: as they are). Each
+    decode step allocates thousands of objects that live for a while (its streams' progress, its calls' step
+    records, the futures and messages of hundreds of chunks): with Python's 700, a young pass, and every tenth an
+    older one, runs every step or two, each re-walking the objects still alive, in the engine thread and the event
+    loop alike."""
+    before = gc.get_threshold()
+    if threshold is not None:
+        gc.set_threshold(threshold, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+def serve(engine, sockets=None, switch_interval_s: float | None = 0.001,
+          gc_threshold: int | None = SERVING_GC_THRESHOLD, **options) -> None:
     """Run the server until SIGINT or SIGTERM: the drain lets in-flight requests finish (up to
     `drain_timeout_s`), then the engine loop stops and the files close.
 
     `switch_interval_s`: this process's interpreter switch interval while it serves. The engine thread waits
     for the device with the interpreter lock released; taking it back, it waits for the thread holding it (the
     event loop writing hundreds of streams, the anatomy builder) to let go, which Python forces only after the
-    switch interval (5 ms by default, a sizeable part of a decode step). None keeps Python's default."""
+    switch interval (5 ms by default, a sizeable part of a decode step). None keeps Python's default.
+    `gc_threshold`: the collector's young threshold while it serves (collector_while_serving)."""
     server, _ = build_server(engine, **options)
     before = sys.getswitchinterval()
     if switch_interval_s is not None:
         sys.setswitchinterval(switch_interval_s)
     try:
-        server.run(sockets=sockets)
+        with collector_while_serving(gc_threshold):
+            server.run(sockets=sockets)
     finally:
         sys.setswitchinterval(before)

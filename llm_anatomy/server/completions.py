@@ -8,11 +8,12 @@ import dataclasses
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from .auth import OWNER
 from .context import ServerContext
 from .errors import APIError, error_response, unavailable
+from .event_stream import EventStream
 from .loop import Call, Progress
 from .protocol import ChatCompletionRequest, CompletionRequest, chat_request, completion_request, parse_body
 from .responses import (TextChunks, before_tool_call, chunk, completion_body, logprobs_body, now_s, split_tool_calls,
@@ -73,8 +74,7 @@ async def completion(ctx: ServerContext, request: Request, chat: bool) -> Respon
         raise
     headers = {"x-anatomy-id": ",".join(c.id for c in calls), "x-llm-anatomy-weights": ctx.engine.weights.kind}
     if first.request.stream:
-        return StreamingResponse(stream(ctx, calls), media_type="text/event-stream",
-                                 headers={**headers, "cache-control": "no-cache"})
+        return EventStream(stream(ctx, calls), headers={**headers, "cache-control": "no-cache"})
     try:
         ends = await asyncio.gather(*(wait_done(ctx, c, request) for c in calls))
     finally:  # cancelled (shutdown), disconnected or failed: nothing of it keeps running
@@ -142,6 +142,7 @@ class ChoiceStream:
         self.prompt_tokens = len(call.prompt_token_ids)
         self.sent, self.logprobs_sent = 0, 0  # characters, tokens
         self.tokens: int | None = None
+        self.over = False  # its last line (the finish reason, or an error) is out
         self.want_logprobs = call.params.logprobs is not None
         self.hold = max(0, max((len(s) for s in call.params.stop), default=0) - 1)
         self.text_chunks = TextChunks(self.req, key, created, index, self.prompt_tokens)
@@ -159,42 +160,52 @@ class ChoiceStream:
         self.logprobs_sent = event.tokens
         return body
 
-    async def lines(self):
+    def opening(self) -> list[str]:
+        """The lines before any token: the chat's role, or the echoed prompt."""
         if self.req.chat:
-            yield self._chunk(0, role=True)
-        elif self.req.echo and self.call.prompt_text:
-            yield self._chunk(0, text=self.call.prompt_text)
+            return [self._chunk(0, role=True)]
+        if self.req.echo and self.call.prompt_text:
+            return [self._chunk(0, text=self.call.prompt_text)]
+        return []
+
+    def lines_for(self, items: list) -> list[str]:
+        """The lines for what arrived in the call's mailbox: one chunk for the newest progress (a client that fell
+        behind gets one chunk for all of it), or the error, or the last lines (`over` is then set)."""
+        event = None
+        for item in items:
+            if isinstance(item, APIError):
+                event = item
+                break
+            if isinstance(item, Progress):
+                event = item
+        if event is None:
+            return []
+        if isinstance(event, APIError):
+            self.over = True
+            return [sse(event.body())]
+        if event.finish_reason is not None:
+            self.over = True
+            return self._last(event)
+        # Hold back what could still become a stop string (cut from the text) or a tool call.
+        text = event.text
+        upto = len(text) - self.hold
+        if self.req.parse_tool_calls:
+            upto = min(upto, before_tool_call(text))
+        if upto <= self.sent:
+            return []
+        if self.want_logprobs:
+            line = self._chunk(event.tokens, text=text[self.sent:upto], logprobs=self._new_logprobs(event))
+        else:
+            line = self.text_chunks.line(text[self.sent:upto], event.tokens)
+        self.sent = upto
+        return [line]
+
+    async def lines(self):
+        for line in self.opening():
+            yield line
         events = self.call.events
-        while True:
-            # The newest progress (a client that fell behind gets one chunk for all of it), or an error. Taken
-            # here, not in a helper coroutine: this runs per stream per step, and each await level costs.
-            event = None
-            for item in await events.take():
-                if isinstance(item, APIError):
-                    event = item
-                    break
-                if isinstance(item, Progress):
-                    event = item
-            if event is None:
-                continue
-            if isinstance(event, APIError):
-                yield sse(event.body())
-                return
-            if event.finish_reason is not None:
-                for line in self._last(event):
-                    yield line
-                return
-            # Hold back what could still become a stop string (cut from the text) or a tool call.
-            text = event.text
-            upto = len(text) - self.hold
-            if self.req.parse_tool_calls:
-                upto = min(upto, before_tool_call(text))
-            if upto > self.sent:
-                if self.want_logprobs:
-                    line = self._chunk(event.tokens, text=text[self.sent:upto], logprobs=self._new_logprobs(event))
-                else:
-                    line = self.text_chunks.line(text[self.sent:upto], event.tokens)
-                self.sent = upto
+        while not self.over:
+            for line in self.lines_for(await events.take()):
                 yield line
 
     def _last(self, event: Progress) -> list[str]:
@@ -241,9 +252,16 @@ async def stream(ctx: ServerContext, calls: list[Call]):
     req, key, created = calls[0].request, calls[0].id, now_s()
     try:
         choices = [ChoiceStream(ctx, c, key, created, i) for i, c in enumerate(calls)]
-        lines = [c.lines() for c in choices]
-        async for line in (lines[0] if len(lines) == 1 else merged(lines)):
-            yield line
+        if len(choices) == 1:  # its lines made here, not in a generator of their own: this runs per stream per step
+            choice, events = choices[0], calls[0].events
+            for line in choice.opening():
+                yield line
+            while not choice.over:
+                for line in choice.lines_for(await events.take()):
+                    yield line
+        else:
+            async for line in merged([c.lines() for c in choices]):
+                yield line
         if all(c.tokens is not None for c in choices):  # every choice finished (none failed)
             last = None
             if req.include_usage:
