@@ -27,11 +27,16 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+def interpreted() -> bool:
+    """Whether Triton kernels run under its interpreter here (TRITON_INTERPRET=1): on NumPy, no PTX, no PDL."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def use_kernels(device) -> bool:
     """Whether the fast path's kernels apply to tensors on this device."""
     if device.type == "cuda":
         return triton_available()
-    return os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
+    return interpreted() and triton_available()
 
 
 def _interpreter_index_fix() -> None:
@@ -53,5 +58,5 @@ def _interpreter_index_fix() -> None:
     interpreter._patch_lang_tensor = patch
 
 
-if os.environ.get("TRITON_INTERPRET") == "1" and triton_available():
+if interpreted() and triton_available():
     _interpreter_index_fix()

@@ -19,13 +19,11 @@ last-arriving program through an atomic counter, which saves a launch but makes 
 loads; and a split kernel in CUDA C++ that reads the cache before its PDL wait.)
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from . import sm_count
+from . import interpreted, sm_count
 from .pdl import gdc_enter
 
 # Tile and pipelining for long contexts, where the attention's bytes matter (benchmarks/README.md); the short
@@ -223,7 +221,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     direct = splits == 1  # large batches: nothing to merge, the split kernel writes the output
     fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32  # a float32 query: exact float32 dots
-    words = (fp8 and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and head_dim % 4 == 0
+    words = (fp8 and q.is_cuda and not interpreted() and head_dim % 4 == 0
              and k_cache.stride(1) % 4 == 0 and k_cache.stride(2) % 4 == 0
              and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
     if num_stages is None:

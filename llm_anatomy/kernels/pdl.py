@@ -15,12 +15,13 @@ it leaves and start reading weights there. It costs where given to a norm follow
 after the norm then launches while the GEMV before it still streams). Measured choices: benchmarks/README.md.
 """
 
-import os
 from functools import cache
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import interpreted
 
 
 @triton.jit
@@ -68,6 +69,6 @@ def _supported(device_index: int) -> bool:
 def supported(device) -> bool:
     """Whether kernels on this device can launch with PDL, in CUDA graphs too: compute capability 9.0 or later,
     not under Triton's interpreter, and a driver that captures such launches (checked once per device)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or interpreted():
         return False
     return _supported(device.index if device.index is not None else 0)
