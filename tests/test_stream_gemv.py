@@ -178,6 +178,31 @@ def test_fp8_stages_hold_twice_the_rows():
     assert "#define FP8 0" in sg.source(4096, 4096, False)
 
 
+def test_fp8_tensor_core_layout_fits_the_qwen3_family():
+    """Every decoder-layer product of Qwen3 1.7B-32B (K >= 2048) fits the tensor cores' layout: a stage's rows of
+    each half times the pieces of K make the MMA's 16 rows, pieces in whole 128-byte windows, at most 8 windows a
+    warp; a K that does not come in 128-byte pieces has no layout, and the streaming GEMV refuses it."""
+    import json
+    from importlib.resources import files
+
+    configs = json.loads(files("llm_anatomy").joinpath("data/qwen3_configs.json").read_text())
+    seen = 0
+    for name, c in configs.items():
+        if name.startswith("_") or c["hidden_size"] < sg.MIN_K:
+            continue
+        h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+        q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+        for n, k, gated in ((q + 2 * kv, h, False), (h, q, False), (i, h, True), (h, i, False)):
+            rows, segs, windows = sg.mma_layout(n, k, gated)
+            assert rows * (2 if gated else 1) * segs == 16 and n % rows == 0, (name, n, k)
+            assert k % (segs * 128) == 0 and windows <= 8 and sg.plan(n, k, gated, 132, 1)[0] >= 2
+            seen += 1
+    assert seen == 20
+    assert sg.mma_layout(4096, 4096 + 64, False) is None
+    with pytest.raises(ValueError, match="tensor cores"):
+        sg.rows_per_stage(4096, 4096 + 64, False, 1)
+
+
 def quantize_rows(w):
     """w [N, K] -> (float8 e4m3 weights, float32 scale per row): each row's largest magnitude maps to 448."""
     scale = (w.float().abs().amax(1) / 448.0).clamp(min=1e-12)
@@ -190,8 +215,11 @@ def quantize_rows(w):
                                        (2560, 2560, False), (9728, 2560, True)])
 @pytest.mark.parametrize("normed", [False, True])
 def test_fp8_weights_match_their_dequantized_product(n, k, gated, normed, streaming):
-    """fp8 weights with a scale per row: the product (and SiLU*up, and the norm before it) equals the same
-    kernel's bf16-free reference, x times the dequantized weights in float32, rounded as the bf16 kernel rounds."""
+    """fp8 weights with a scale per row: the product (and SiLU*up, and the norm before it) equals x times the
+    dequantized weights in float32, rounded as the bf16 kernel rounds; on the tensor cores (mma_layout) x is first
+    quantized per token exactly as fp8_quant.quantize_rows quantizes it (W8A8), elsewhere it stays bf16."""
+    from llm_anatomy.kernels.fp8_quant import quantize_rows_reference
+
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w = torch.randn(2 * n if gated else n, k, device="cuda", generator=g) / k ** 0.5
     w8, scale = quantize_rows(w)
@@ -208,9 +236,37 @@ def test_fp8_weights_match_their_dequantized_product(n, k, gated, normed, stream
                  * norm_weight.float()).bfloat16()
     y = sg.stream_gemv(x, w8, gated, norm=norm, scale=scale)
     deq = w8.float() * scale[:, None]
+    if sg.mma_layout(n, k, gated) is not None:
+        xq, x_scale = quantize_rows_reference(x_ref)
+        x_ref = xq.float() * x_scale
     want = reference(x_ref, deq, gated)
     assert y.dtype == torch.bfloat16 and y.shape == (1, n)
     assert ((y.float() - want).norm() / want.norm()).item() < 1e-2
     assert torch.equal(sg.stream_gemv(x, w8, gated, norm=norm, scale=scale), y)  # the same bits every run
     with pytest.raises(ValueError, match="per-row scale"):
         sg.stream_gemv(x, w8, gated)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (12288, 4096, True), (4096, 12288, False),
+                                       (5120, 17408, False)])
+def test_fp8_tensor_cores_agree_with_the_w8a8_gemv(n, k, gated, streaming):
+    """The streaming GEMV on the tensor cores and the 2-16-row W8A8 Triton GEMV take the same quantized operands:
+    x quantized per token as quantize_rows does (an x of hostile magnitudes: zeros, a huge value, values
+    that land on 448 and below e4m3's smallest normal), and the products agree to float32 summation order."""
+    from llm_anatomy.kernels import fp8_gemv, fp8_quant
+
+    assert sg.mma_layout(n, k, gated) is not None
+    g = torch.Generator(device="cuda").manual_seed(n * 3 + k)
+    w8, scale = quantize_rows(torch.randn(2 * n if gated else n, k, device="cuda", generator=g) / k ** 0.5)
+    x = torch.randn(1, k, device="cuda", generator=g)
+    x[0, :64] = 0
+    x[0, 64] = 3e4
+    x[0, 65:70] = torch.tensor([1e-3, -2e-3, 4e-4, 3e4 * 0.999, -3e4])
+    x = x.bfloat16()
+    xq, x_scale = fp8_quant.quantize_rows(x)
+    want = fp8_gemv.w8a8_gemv(xq, x_scale, w8, scale, torch.bfloat16, gated).float()
+    y = sg.stream_gemv(x, w8, gated, scale=scale).float()
+    assert ((y - want).norm() / want.norm()).item() < 2e-3
+    assert ((y - want).abs() > 2e-2 * want.abs().max()).sum().item() == 0

@@ -14,8 +14,16 @@ The GEMVs after a norm (qkv, gate_up) take the norm too (`norm`): each block add
 residual stream and RMS-normalises the row itself (16 KB from L2, a block-wide sum), and block 0 writes the new
 stream. A decode step then has no norm kernels but the first and the last, and one wait fewer per norm in its chain.
 
+fp8 weights (a float32 scale per row) go to the tensor cores: the consumers quantize x per token themselves (after
+the norm, as fp8_quant.quantize_rows does) and each warp runs mma.sync m16n8k32 e4m3 over its windows of a stage,
+two 16-byte shared-memory reads and two MMAs for 1 KB. Converting the weights in registers for float FMAs (W8A16,
+before) was bound by instruction issue, 21 instructions per 8 weights (benchmarks/README.md); an MMA's 16 rows take
+16 weight rows, or fewer rows cut into pieces of K (mma_layout).
+
 Numerics: float32 sums of bf16 products, each output rounded to bf16; gated rounds as the Triton GEMV and HF do
-(each projection, SiLU's output, the product). Deterministic: per-warp partial sums added in a fixed order.
+(each projection, SiLU's output, the product). fp8: each 128 columns' MMA sums start from zero and are added in
+float32 (the tensor cores' fp8 sums keep fewer bits), times the row's and x's scales. Deterministic: per-warp
+partial sums added in a fixed order.
 """
 
 from __future__ import annotations
@@ -48,7 +56,12 @@ SOURCE = r"""
 #define STAGE_ELEMS (HALVES * ROWS * K)
 #define CONSUMERS %(CONSUMERS)d
 #define NORMED %(NORMED)d                 // x is a product to add to the residual stream and RMS-normalise first
-#define FP8 %(FP8)d                       // weights in float8 e4m3 with a float32 scale per row, else bf16
+#define FP8 %(FP8)d                       // weights in float8 e4m3 with a float32 scale per row (W8A8, see mma_layout), else bf16
+#define SEGS %(SEGS)d                     // FP8: each row cut into this many pieces of K, one of the MMA's 16 rows each
+#define SEG_BYTES (K / SEGS)
+#define WINDOWS (SEG_BYTES / 128)         // FP8: 128-byte windows of a piece, dealt to the consumer warps in turn
+#define WARPS (CONSUMERS / 32)
+#define WPW %(WPW)d                       // FP8: windows a warp takes (the last round may leave warps out)
 #define WB (FP8 ? 1 : 2)                  // bytes of a weight
 #define KP (K / 8)                               // 16-byte pieces of a row
 #define PIECES ((KP + CONSUMERS - 1) / CONSUMERS)  // of them, each consumer thread's (the last may be short)
@@ -65,25 +78,28 @@ __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
     return lo(w.x) * x[0] + hi(w.x) * x[1] + lo(w.y) * x[2] + hi(w.y) * x[3]
          + lo(w.z) * x[4] + hi(w.z) * x[5] + lo(w.w) * x[6] + hi(w.w) * x[7];
 }
-// Two e4m3 values (the low byte first) as floats, exactly: by way of an f16 pair (sm_89 and later).
-__device__ __forceinline__ float2 e4m3x2(unsigned short v) {
-    unsigned h;
-    float2 f;
-    asm("cvt.rn.f16x2.e4m3x2 %%0, %%1;" : "=r"(h) : "h"(v));
-    asm("{ .reg .b16 l, u; mov.b32 {l, u}, %%2; cvt.f32.f16 %%0, l; cvt.f32.f16 %%1, u; }" : "=f"(f.x), "=f"(f.y) : "r"(h));
-    return f;
+// x / scale, clamped to +-448, to e4m3 with rounding to nearest even (fp8_quant.quantize_rows' arithmetic), four
+// values to four bytes, the first in the lowest; cvt puts its first operand in the upper byte
+__device__ __forceinline__ float to_e4m3_range(float v, float scale) {
+    return fminf(fmaxf(__fdiv_rn(v, scale), -448.f), 448.f);
 }
-__device__ __forceinline__ float dot8e4m3(uint2 w, const float* x) {
-    const float2 a = e4m3x2(w.x & 0xffffu), b = e4m3x2(w.x >> 16), c = e4m3x2(w.y & 0xffffu), d = e4m3x2(w.y >> 16);
-    return a.x * x[0] + a.y * x[1] + b.x * x[2] + b.y * x[3] + c.x * x[4] + c.y * x[5] + d.x * x[6] + d.y * x[7];
+__device__ __forceinline__ unsigned e4m3x4(const float* v, float scale) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %%0, %%1, %%2;" : "=h"(lo) : "f"(to_e4m3_range(v[1], scale)), "f"(to_e4m3_range(v[0], scale)));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %%0, %%1, %%2;" : "=h"(hi) : "f"(to_e4m3_range(v[3], scale)), "f"(to_e4m3_range(v[2], scale)));
+    return (unsigned)lo | (unsigned)hi << 16;
 }
-// One 8-weight piece of a stage's row dotted with 8 values of x
-__device__ __forceinline__ float dot_piece(const unsigned char* row, int piece, const float* x) {
-#if FP8
-    return dot8e4m3(*(const uint2*)(row + piece * 8), x);
-#else
-    return dot8f(*(const uint4*)(row + piece * 16), x);
-#endif
+// d += A (16 x 32 e4m3, rows g and g + 8 of lane g * 4 + t) . B (32 x 8 e4m3, column g), float32 (sm_89 and later)
+__device__ __forceinline__ void mma_e4m3(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%%0, %%1, %%2, %%3}, {%%4, %%5, %%6, %%7}, {%%8, %%9}, "
+        "{%%0, %%1, %%2, %%3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
 }
 
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
@@ -93,10 +109,12 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
             const float* __restrict__ w_scale) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
-    unsigned long long* full = (unsigned long long*)(ring + (size_t)stages * STAGE_ELEMS * WB);
+    unsigned char* xq = ring + (size_t)stages * STAGE_ELEMS * WB;  // FP8: x in e4m3, K bytes
+    unsigned long long* full = (unsigned long long*)(xq + (FP8 ? K : 0));
     unsigned long long* empty = full + stages;
     float* warp_sums = (float*)(empty + stages);  // NORMED: each consumer warp's sum of squares
-    float* partial = warp_sums + CONSUMERS / 32;  // [warp][half][row of this block]
+    float* warp_maxes = warp_sums + CONSUMERS / 32;  // FP8: each consumer warp's largest magnitude of x
+    float* partial = warp_maxes + CONSUMERS / 32;  // [warp][half][piece of K][row of this block]
     const int tid = threadIdx.x, warp = tid / 32, lane = tid %% 32;
     const int groups = n / ROWS;
     const int g0 = (int)((long long)blockIdx.x * groups / gridDim.x);
@@ -169,17 +187,81 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
         for (int j = 0; j < 8; ++j) xf[p * 8 + j] = round_bf16(round_bf16(xf[p * 8 + j] * inv) * wf[j]);
     }
 #endif
+#if FP8
+    // x quantized per token as fp8_quant.quantize_rows does (scale = amax / 448), into shared memory: each thread
+    // then holds the pieces of it that its MMA fragments pair with the weights'
+    float m = 0.f;
+    #pragma unroll
+    for (int i = 0; i < PIECES * 8; ++i) m = fmaxf(m, fabsf(xf[i]));
+    m = warp_max(m);
+    if (lane == 0) warp_maxes[warp] = m;
+    asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");
+    float amax = 0.f;
+    #pragma unroll
+    for (int k = 0; k < CONSUMERS / 32; ++k) amax = fmaxf(amax, warp_maxes[k]);
+    const float x_scale = __fdiv_rn(fmaxf(amax, 1e-12f), 448.f);
+    #pragma unroll
+    for (int p = 0; p < PIECES; ++p)
+        if (HAS_PIECE(p))
+            *(uint2*)(xq + (p * CONSUMERS + tid) * 8) = make_uint2(e4m3x4(&xf[p * 8], x_scale), e4m3x4(&xf[p * 8 + 4], x_scale));
+    asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");
+    // Lane grp * 4 + t feeds the MMA's rows grp and grp + 8 (two row slots: weight rows, or pieces of K of fewer
+    // rows) and its column grp. The sum runs over K in any order as long as a lane's A and B bytes are the same
+    // columns of the row: a lane reads 16-byte chunks of each 128-byte window, chunk t or t + 4 first by the
+    // parity of grp, so that the 8 lanes of a shared-memory phase hit 8 distinct chunks (no bank conflicts), and
+    // its column carries x's bytes at the same places. Only C[slot][grp] is a row's dot: lane grp * 4 + grp / 2
+    // holds both of its slots'.
+    const int grp = lane >> 2, t = lane & 3, seg = grp %% SEGS, chunk = (t + 4 * (grp & 1)) * 16;
+    const int slot_lo = grp / SEGS, slot_hi = slot_lo + 8 / SEGS;
+    const int off_lo = slot_lo * K + seg * SEG_BYTES + chunk, off_hi = slot_hi * K + seg * SEG_BYTES + chunk;
+    uint4 xb[WPW][2];
+    #pragma unroll
+    for (int j = 0; j < WPW; ++j) {
+        const int at = seg * SEG_BYTES + (warp + WARPS * j) * 128 + chunk;
+        const bool in = warp + WARPS * j < WINDOWS;
+        xb[j][0] = in ? *(const uint4*)(xq + at) : make_uint4(0, 0, 0, 0);
+        xb[j][1] = in ? *(const uint4*)(xq + (at ^ 64)) : make_uint4(0, 0, 0, 0);
+    }
+#endif
     for (int g = g0, it = 0; g < g1; ++g, ++it) {
         const int slot = it %% stages, round = it / stages;
         mbar_wait(smem_addr(&full[slot]), round & 1);
-        const unsigned char* stage = ring + (size_t)slot * STAGE_ELEMS * WB;
+#if FP8
+        const unsigned char* stage = ring + (size_t)slot * STAGE_ELEMS;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        #pragma unroll
+        for (int j = 0; j < WPW; ++j) {
+            if (WINDOWS %% WARPS == 0 || warp + WARPS * j < WINDOWS) {
+                const unsigned char* window = stage + (warp + WARPS * j) * 128;
+                const uint4 a0 = *(const uint4*)(window + off_lo), b0 = *(const uint4*)(window + off_hi);
+                const uint4 a1 = *(const uint4*)(window + (off_lo ^ 64)), b1 = *(const uint4*)(window + (off_hi ^ 64));
+                // A window's 128 columns from zero, then added in float32: the tensor cores' fp8 sums keep fewer
+                // bits (as fp8_gemv.w8a8_gemv's K blocks)
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+                mma_e4m3(d, a0.x, b0.x, a0.y, b0.y, xb[j][0].x, xb[j][0].y);
+                mma_e4m3(d, a0.z, b0.z, a0.w, b0.w, xb[j][0].z, xb[j][0].w);
+                mma_e4m3(d, a1.x, b1.x, a1.y, b1.y, xb[j][1].x, xb[j][1].y);
+                mma_e4m3(d, a1.z, b1.z, a1.w, b1.w, xb[j][1].z, xb[j][1].w);
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) acc[e] += d[e];
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&empty[slot]));
+        if (t == grp >> 1) {  // this lane holds its column's two dots
+            const int base = (g - g0) * ROWS;
+            partial[((warp * HALVES + slot_lo / ROWS) * SEGS + seg) * mine + base + slot_lo %% ROWS] = grp & 1 ? acc[1] : acc[0];
+            partial[((warp * HALVES + slot_hi / ROWS) * SEGS + seg) * mine + base + slot_hi %% ROWS] = grp & 1 ? acc[3] : acc[2];
+        }
+#else
+        const unsigned char* stage = ring + (size_t)slot * STAGE_ELEMS * 2;
         float acc[HALVES * ROWS];
         #pragma unroll
         for (int r = 0; r < HALVES * ROWS; ++r) {
             float a = 0.f;
             #pragma unroll
             for (int p = 0; p < PIECES; ++p)
-                if (HAS_PIECE(p)) a += dot_piece(stage + (size_t)r * K * WB, p * CONSUMERS + tid, &xf[p * 8]);
+                if (HAS_PIECE(p)) a += dot8f(*(const uint4*)(stage + (size_t)r * K * 2 + (p * CONSUMERS + tid) * 16), &xf[p * 8]);
             acc[r] = a;
         }
         __syncwarp();
@@ -189,22 +271,33 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
             const float v = warp_sum(acc[r]);
             if (lane == 0) partial[(warp * HALVES + r / ROWS) * mine + (g - g0) * ROWS + r %% ROWS] = v;
         }
+#endif
     }
     asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");
     for (int i = tid; i < mine; i += CONSUMERS) {
         float a = 0.f;
         #pragma unroll
-        for (int k = 0; k < CONSUMERS / 32; ++k) a += partial[(k * HALVES) * mine + i];
+        for (int k = 0; k < CONSUMERS / 32; ++k)
+            #pragma unroll
+            for (int s = 0; s < SEGS; ++s) a += partial[(k * HALVES * SEGS + s) * mine + i];
 #if FP8
         a *= i == tid ? scale0 : w_scale[g0 * ROWS + i];
+#endif
+#if FP8
+        a *= x_scale;
 #endif
         unsigned out;
         if (HALVES == 2) {
             float u = 0.f;
             #pragma unroll
-            for (int k = 0; k < CONSUMERS / 32; ++k) u += partial[(k * HALVES + 1) * mine + i];
+            for (int k = 0; k < CONSUMERS / 32; ++k)
+                #pragma unroll
+                for (int s = 0; s < SEGS; ++s) u += partial[((k * HALVES + 1) * SEGS + s) * mine + i];
 #if FP8
             u *= i == tid ? scale0_up : w_scale[n + g0 * ROWS + i];
+#endif
+#if FP8
+            u *= x_scale;
 #endif
             const float gate = round_bf16(a);
             out = rne(round_bf16(gate / (1.f + __expf(-gate))) * round_bf16(u));
@@ -219,27 +312,53 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
 
 def rows_per_stage(n: int, k: int, gated: bool, weight_bytes: int = 2) -> int:
     """Weight rows a stage copies (of each half when gated): as many as fit in the weights' STAGE_BYTES and divide n,
-    so that every stage is whole (Qwen3-8B in bf16: 4 for K = 4096, 2 for gate_up's halves, 1 for down's K = 12288;
-    in fp8: 16, 8 and 4)."""
+    so that every stage is whole (Qwen3-8B in bf16: 4 for K = 4096, 2 for gate_up's halves, 1 for down's K = 12288);
+    fp8 stages go to the tensor cores, their rows are mma_layout's (16, 8 and 4)."""
+    if weight_bytes == 1:
+        layout = mma_layout(n, k, gated)
+        if layout is None:
+            raise ValueError(f"an fp8 GEMV of {n} x {k} does not fit the tensor cores' layout (see mma_layout)")
+        return layout[0]
     most = max(1, STAGE_BYTES[weight_bytes] // (k * weight_bytes * (2 if gated else 1)))
     return next(r for r in range(most, 0, -1) if n % r == 0)
 
 
+def mma_layout(n: int, k: int, gated: bool) -> tuple[int, int, int] | None:
+    """How an fp8 GEMV feeds the tensor cores, or None where it cannot (the Triton GEMV takes it): (rows a stage
+    copies of each half, pieces of K a row is cut into so that a stage's rows times pieces make the MMA's 16 rows,
+    128-byte windows a consumer warp takes). Rows: a power of two that fits the stage and divides n; the pieces
+    must come in whole 128-byte windows; a warp's share of x stays in registers (8 windows at most)."""
+    halves = 2 if gated else 1
+    most = STAGE_BYTES[1] // (k * halves)
+    rows = next((r for r in (16, 8, 4, 2, 1) if r <= most and 2 <= r * halves <= 16 and n % r == 0), None)
+    if rows is None:
+        return None
+    segs = 16 // (rows * halves)
+    if k % (segs * 128):
+        return None
+    windows_per_warp = -(-(k // segs // 128) // (CONSUMERS // 32))
+    return (rows, segs, windows_per_warp) if windows_per_warp <= 8 else None
+
+
 def source(n: int, k: int, gated: bool, normed: bool = False, weight_bytes: int = 2) -> str:
+    _, segs, wpw = mma_layout(n, k, gated) if weight_bytes == 1 else (0, 1, 1)
     return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated, weight_bytes), "HALVES": 2 if gated else 1,
-                     "CONSUMERS": CONSUMERS, "NORMED": int(normed), "FP8": int(weight_bytes == 1)}
+                     "CONSUMERS": CONSUMERS, "NORMED": int(normed), "FP8": int(weight_bytes == 1), "SEGS": segs,
+                     "WPW": wpw}
 
 
 def plan(n: int, k: int, gated: bool, blocks: int, weight_bytes: int = 2) -> tuple[int, int]:
     """(ring stages, shared bytes) of a launch over `blocks` blocks: the ring fills RING_BYTES, less what the
-    per-warp partial sums of the block's rows take."""
+    per-warp partial sums of the block's rows take (and, for fp8, x quantized)."""
     rows = rows_per_stage(n, k, gated, weight_bytes)
     halves = 2 if gated else 1
+    segs = mma_layout(n, k, gated)[1] if weight_bytes == 1 else 1
     stage = halves * rows * k * weight_bytes
     most_rows = -(-(n // rows) // blocks) * rows
-    partial = CONSUMERS // 32 * (halves * most_rows + 1) * 4  # and the warps' sums of squares
-    stages = min(RING_BYTES, SHARED_LIMIT - partial - 1024) // stage
-    return stages, stages * (stage + 16) + partial
+    # the partial sums, the warps' sums of squares and largest magnitudes, x in fp8
+    rest = CONSUMERS // 32 * (halves * most_rows * segs + 2) * 4 + (k if weight_bytes == 1 else 0)
+    stages = min(RING_BYTES, SHARED_LIMIT - rest - 1024) // stage
+    return stages, stages * (stage + 16) + rest
 
 
 @cache
@@ -268,12 +387,14 @@ def eligible(rows: int, k: int, dtype: torch.dtype) -> bool:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> bool:
-    """A single bf16 row on a GPU (see available) times bf16 weights, or fp8 e4m3 ones (with a scale per row), K
-    in 16-byte pieces, a ring of at least two stages."""
+    """A single bf16 row on a GPU (see available) times bf16 weights, or fp8 e4m3 ones (with a scale per row) in
+    a shape the tensor cores take (mma_layout), K in 16-byte pieces, a ring of at least two stages."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
-    return (eligible(x.shape[0], k, x.dtype) and x.is_cuda and weight.dtype in (x.dtype, torch.float8_e4m3fn)
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    return (eligible(x.shape[0], k, x.dtype) and x.is_cuda and (weight.dtype == x.dtype or fp8)
             and k * weight.element_size() % 16 == 0 and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
+            and (not fp8 or mma_layout(n, k, gated) is not None)
             and plan(n, k, gated, sm_count(x.device), weight.element_size())[0] >= 2)
 
 
@@ -291,8 +412,9 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
     With norm = (residual, new_residual, norm_weight, eps), the product is of RMSNorm(x + residual) * norm_weight
     instead (rounded as HF rounds), and new_residual receives x + residual: the norm kernel before a GEMV, done by
     the GEMV's consumers (see supports_norm). `pdl`: launched with programmatic dependent launch (pdl.py).
-    An fp8 e4m3 weight comes with `scale`, float32 [rows of weight]: row r's products are multiplied by scale[r]
-    (x stays bf16: the weights alone are quantized, W8A16)."""
+    An fp8 e4m3 weight comes with `scale`, float32 [rows of weight]: the kernel quantizes x (normalised, if `norm`)
+    per token as fp8_quant.quantize_rows does and row r's fp8 dot is multiplied by scale[r] and x's scale (W8A8, as
+    the Triton GEMV of 2-16 rows and the prefill's products)."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
     fp8 = weight.dtype == torch.float8_e4m3fn

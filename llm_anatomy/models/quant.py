@@ -15,7 +15,7 @@ The product, by path:
   (fp8_gemv.w8a8_gemv) and more rows (prefill) through torch._scaled_mm (row-wise scaling, scale_a [M, 1] and
   scale_b [1, N], float32). The gated product (gate_up) can hand on SiLU(gate) * up already quantized (Fp8Rows),
   which the down projection takes as it is: that activation is never written in bf16 (a batch-1 decode step's
-  GEMVs are the streaming kernel's, kernels/stream_gemv.py, weights alone quantized);
+  GEMVs are the streaming kernel's, kernels/stream_gemv.py, which quantizes the row itself, W8A8 too);
 - elsewhere on the fast path (block scales, fp16/fp32, a GPU before sm_90): W8A16, the fp8 GEMV (up to 16 rows) or
   matmul kernel (kernels/fp8_gemv.py), which dequantizes each weight tile in registers and multiplies by the
   unquantized activations on bf16 tensor cores.
