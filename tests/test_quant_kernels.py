@@ -398,3 +398,29 @@ def test_fp8_engine_with_quantizing_norms_equals_it_without(save_tiny, monkeypat
             fused.clear()
     assert not fused
     assert out[0] == out[1]
+
+
+def test_which_products_the_norm_quantizes_for(monkeypatch):
+    """qwen3.takes_fp8_rows: the norm hands its rows quantized only to an fp8 layer whose fast product is W8A8
+    (per-row scales; a gated product without a bias), on the fast path, and never where the plan streams the rows
+    (batch 1: the streaming GEMV reads them in bf16)."""
+    from llm_anatomy.engine.plan import ExecutionPlan
+    from llm_anatomy.models import quant
+    from llm_anatomy.models.config import WeightScheme
+    from llm_anatomy.models.qwen3 import takes_fp8_rows
+
+    monkeypatch.setattr(quant, "_rowwise_scaled_mm", lambda device: True)  # as on a Hopper GPU
+    layer = Fp8Linear.from_linear(torch.nn.Linear(2048, 64, bias=False))
+    biased = Fp8Linear.from_linear(torch.nn.Linear(2048, 64, bias=True))
+    blocks = Fp8Linear.from_linear(torch.nn.Linear(2048, 64, bias=False), WeightScheme("block", "s", (32, 128)))
+    fast, streaming = ExecutionPlan(kernels=True), ExecutionPlan(kernels=True, stream_gemv=True)
+    rows = torch.zeros(2, 2048, dtype=torch.bfloat16)
+    one = rows[:1]
+    assert takes_fp8_rows(rows, layer, fast) and takes_fp8_rows(rows, layer, fast, gated=True)
+    assert takes_fp8_rows(one, layer, fast) and takes_fp8_rows(rows, layer, streaming)
+    assert not takes_fp8_rows(one, layer, streaming)  # batch 1 streams: bf16 rows as before
+    assert not takes_fp8_rows(rows, layer, ExecutionPlan())  # the PyTorch path
+    assert not takes_fp8_rows(rows.float(), layer, fast)  # W8A16
+    assert not takes_fp8_rows(rows, blocks, fast)  # block scales: W8A16
+    assert takes_fp8_rows(rows, biased, fast) and not takes_fp8_rows(rows, biased, fast, gated=True)
+    assert not takes_fp8_rows(rows, torch.nn.Linear(2048, 64, bias=False).bfloat16(), fast)  # bf16 weights
