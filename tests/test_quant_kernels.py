@@ -244,13 +244,16 @@ def test_fp8_engine_fast_path_equals_its_reference(save_tiny, kv_cache_dtype):
 
 def hostile_rows(n, dtype, seed=11):
     """Rows that each try the quantization's edges: all zeros, one huge value among small ones (the rest fall into
-    e4m3's subnormal range or to zero), values at and just under 448 times the scale (rounding to +-448), tiny
+    e4m3's subnormal range, some exactly on it or halfway, or to zero), values at and just under 448 times the scale (rounding to +-448), tiny
     values (the scale's floor, MIN_AMAX), mixed signs over orders of magnitude, and plain random rows."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(9, n, generator=g)
     x[0] = 0
     x[1] = torch.randn(n, generator=g) * 1e-3
     x[1, 7] = 3e4
+    # values that land on e4m3's subnormals (steps of 2^-9 below 2^-6, times the scale), ties between them included
+    x[1, 8:16] = 3e4 / 448 * torch.tensor([2 ** -9, 1.5 * 2 ** -9, 2 ** -8, -3 * 2 ** -9, 2.5 * 2 ** -9,
+                                           0.99 * 2 ** -6, 0.5 * 2 ** -9, -0.51 * 2 ** -9])
     x[2, :] = 1.0
     x[2, ::3] = -0.999  # 0.999 x 448 = 447.6: rounds to 448
     x[3] = torch.randn(n, generator=g) * 1e-30  # below MIN_AMAX: the floor scale
