@@ -1,6 +1,8 @@
 """The cost model: FLOPs against torch's FlopCounterMode on the network's own causal forward, bytes against a hand
 count for a tiny model and against Nsight Compute's counts for Qwen3-8B."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,8 @@ from llm_anatomy import Engine
 from llm_anatomy.hub import resolve
 from llm_anatomy.models import attention
 from llm_anatomy.models.config import ModelConfig
-from llm_anatomy.probe.cost import (GemmTiling, KernelShapes, decode_cost, gemm_reads, prefill_cost,
+from llm_anatomy.engine.plan import ExecutionPlan
+from llm_anatomy.probe.cost import (GemmTiling, KernelShapes, decode_cost, device_shapes, gemm_reads, prefill_cost,
                                     weight_bytes_per_step)
 
 from conftest import tiny_hf_config
@@ -126,7 +129,7 @@ def test_prefill_bytes_by_hand():
         "embedding": 12 * 64 * 4,
         "lm_head": 512 * 64 * 4 + 64 * 4 + 64 * 4,  # weight, final norm's weight, one hidden row
         "logits": 512 * 4,
-        "activation": 0, "bias": 0,
+        "activation": 0, "bias": 0, "quantize": 0,
     }
     assert {name: part["bytes"] for name, part in cost.parts.items()} == hand
     assert cost.bytes == 660_480
@@ -142,6 +145,34 @@ def test_decode_bytes_by_hand():
     assert parts["attention"] == 2 * 128 * 4 + 2 * 4 * 16 * (32 + 2) * 4
     assert parts["kv_read"] == 20 * 1024 and parts["kv_write"] == 1024
     assert cost.bytes == 576_512
+
+
+def test_w8a8_bytes_by_hand():
+    """fp8 weights with a scale per row and bf16 (2 B) activations, W8A8: the products read fp8 rows (a byte an
+    element, a float32 scale a row): the norms write qkv_proj's and gate_up_proj's so, the quantization kernels read
+    o_proj's input and the gate_up product; no fp8 product adds into the stream, so every norm reads two inputs.
+    A batch-1 decode step streams bf16 rows: nothing quantized."""
+    shapes = replace(TINY_SHAPES, weight_size=1, weight_row_scale_bytes=4, w8a8=True)
+    c = tiny_config()
+    weights = 2 * ((256 * 64 + 64 * 128 + 256 * 64 + 64 * 128) + (256 + 64 + 256 + 64) * 4 + (2 * 64 + 2 * 32) * 2)
+
+    def parts(cost):
+        return {name: part["bytes"] for name, part in cost.parts.items()}
+
+    prefill = parts(prefill_cost(c, torch.bfloat16, [(12, 0)], shapes=shapes))  # GEMMs: 12 rows > 2
+    assert prefill["linear"] == weights
+    # qkv and gate_up read 12 rows of 64, o and down of 128; each a byte an element and a scale a row
+    assert prefill["linear_inputs"] == 2 * (12 * (64 + 128 + 64 + 128) + 4 * 12 * 4)
+    assert prefill["quantize"] == 2 * 12 * (128 + 2 * 128) * 2  # o's input; [gate, up] of the GEMM
+    assert prefill["norm"] == 2 * 2 * 2 * 12 * 64 * 2 + 2 * 12 * 64 * 2
+    assert prefill["activation"] == 0
+    decode = parts(decode_cost(c, torch.bfloat16, [20, 20], shapes=shapes))  # GEMVs: 2 rows
+    assert decode["linear_inputs"] == 2 * (2 * (64 + 128 + 64 + 128) + 4 * 2 * 4)
+    assert decode["quantize"] == 2 * 2 * (128 + 128) * 2  # o's input; the GEMV's SiLU * up
+    single = parts(decode_cost(c, torch.bfloat16, [20], shapes=shapes))
+    assert single["linear_inputs"] == 2 * (64 + 128 + 64 + 128) * 2 and single["quantize"] == 0
+    assert parts(decode_cost(c, torch.float32, [20, 20], shapes=shapes))["quantize"] == 0  # W8A16: float32
+    assert device_shapes(torch.device("cpu"), ExecutionPlan(weight_dtype="float8_e4m3fn")).w8a8 is False
 
 
 def test_kernel_shapes_are_the_kernels_own():

@@ -154,10 +154,10 @@ def test_per_token_quantization_kernel_matches_its_reference(gated):
     scale's last bit; Triton 3.6's interpreter loses the carry where a value rounds up to the next power of two, and its
     sigmoid differs in the last bit, so on the CPU: those values aside, and the gated scales to float32's
     precision). Rows of very different sizes, a row of zeros, rows longer than one pass of the kernel."""
-    from llm_anatomy.kernels.fp8_quant import BLOCK, FP8_MAX, quantize_rows, quantize_rows_reference
+    from llm_anatomy.kernels.fp8_quant import FP8_MAX, ONE_PASS_MAX, quantize_rows, quantize_rows_reference
 
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-    k = BLOCK + 300
+    k = ONE_PASS_MAX + 300
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 2 * k if gated else k, generator=g) * torch.logspace(-4, 3, 6)[:, None]
     x[3] = 0
@@ -240,3 +240,190 @@ def test_fp8_engine_fast_path_equals_its_reference(save_tiny, kv_cache_dtype):
     assert out[True][0] == out[False][0]
     for a, b in zip(out[True][1], out[False][1]):
         assert a == pytest.approx(b, abs=1e-3)
+
+
+def hostile_rows(n, dtype, seed=11):
+    """Rows that each try the quantization's edges: all zeros, one huge value among small ones (the rest fall into
+    e4m3's subnormal range, some exactly on it or halfway, or to zero), values at and just under 448 times the scale (rounding to +-448), tiny
+    values (the scale's floor, MIN_AMAX), mixed signs over orders of magnitude, and plain random rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(9, n, generator=g)
+    x[0] = 0
+    x[1] = torch.randn(n, generator=g) * 1e-3
+    x[1, 7] = 3e4
+    # values that land on e4m3's subnormals (steps of 2^-9 below 2^-6, times the scale), ties between them included
+    x[1, 8:16] = 3e4 / 448 * torch.tensor([2 ** -9, 1.5 * 2 ** -9, 2 ** -8, -3 * 2 ** -9, 2.5 * 2 ** -9,
+                                           0.99 * 2 ** -6, 0.5 * 2 ** -9, -0.51 * 2 ** -9])
+    x[2, :] = 1.0
+    x[2, ::3] = -0.999  # 0.999 x 448 = 447.6: rounds to 448
+    x[3] = torch.randn(n, generator=g) * 1e-30  # below MIN_AMAX: the floor scale
+    x[4] = torch.randn(n, generator=g) * torch.logspace(-8, 4, n)
+    x[5, :] = -2.0
+    x[6] = torch.randn(n, generator=g) * 100
+    return x.to(dtype).to(DEVICE)
+
+
+def norm_inputs(n, dtype, residual):
+    """Norm inputs whose normed rows are the hostile ones: x = the rows, the residual (if any) their difference
+    from a random stream, the weight ones but a sign flipped and a tiny one."""
+    x = hostile_rows(n, dtype)
+    w = torch.ones(n, dtype=dtype, device=DEVICE)
+    w[:3] = torch.tensor([1.0, -1.0, 1e-6])
+    res = None
+    if residual:
+        res = rand(*x.shape, seed=12).to(dtype)
+        x = (x - res).to(dtype)
+    return x, w, res
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def bits(q):
+    return q.view(torch.uint8)
+
+
+BITWISE_DTYPES = [torch.float32, torch.bfloat16]  # the interpreter rounds bf16 as it stores it: both kernels alike
+
+
+@pytest.mark.parametrize("dtype", BITWISE_DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("n", [512, 1000])  # a power of two, and a padded row
+def test_norm_quantized_is_bitwise_the_norm_then_quantize_rows(dtype, residual, n):
+    """kernels/norm.rmsnorm_fp8: the fp8 values, scales and new residual bit for bit those of rmsnorm followed by
+    fp8_quant.quantize_rows (the bf16-rounded normed rows quantized), on hostile rows."""
+    from llm_anatomy.kernels.fp8_quant import quantize_rows
+    from llm_anatomy.kernels.norm import rmsnorm, rmsnorm_fp8
+
+    x, w, res = norm_inputs(n, dtype, residual)
+    res_fused = None if res is None else res.clone()
+    q, scale = rmsnorm_fp8(x, w, 1e-6, residual=res_fused)
+    want_q, want_scale = quantize_rows(rmsnorm(x, w, 1e-6, residual=res))
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (x.shape[0], 1)
+    assert torch.equal(bits(q), bits(want_q))
+    assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+    if residual:
+        assert torch.equal(res_fused, res)
+    values = q.float()
+    # the zero row and the tiny one (its squares underflow: normed to ~1e-27, under MIN_AMAX) quantize to zeros
+    assert (values[[0, 3]] == 0).all() and (scale[[0, 3]] == torch.tensor(1e-12) / 448).all()
+    assert (values.abs().amax(dim=1)[[1, 2, 4, 5, 6, 7, 8]] == 448).all()  # the other rows' largest: 448
+    assert values.isfinite().all()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rows,k", [(1, 512), (3, 1000), (9, 512), (2, 2 * 16384 + 100)])
+def test_quantize_rows_launch_shapes_on_hostile_rows(gated, rows, k):
+    """quantize_rows over every launch shape (one row a program and several, padded rows, rows too long for one
+    pass) against the reference: scales equal (on the GPU to the last bit, see above), fp8 values equal where the
+    interpreter rounds right (see above); the row of zeros gives zeros."""
+    from llm_anatomy.kernels.fp8_quant import FP8_MAX, launch_shape, quantize_rows, quantize_rows_reference
+
+    shape = launch_shape(rows, k)
+    assert (shape["ROWS"] > 1) == (k < 1024 and rows > 1) and shape["ONE_PASS"] == (k <= 16384)
+    x = hostile_rows(2 * k if gated else k, torch.float32)[:rows]
+    q, scale = quantize_rows(x, gated)
+    want_q, want_scale = quantize_rows_reference(x, gated)
+    assert q.shape == want_q.shape == (rows, k) and scale.shape == (rows, 1)
+    assert (q[0].float() == 0).all()
+    same = q.float() == want_q.float()
+    if DEVICE.type == "cuda" or gated:
+        torch.testing.assert_close(scale, want_scale, rtol=1e-6 if gated else 2.5e-7, atol=0)
+    else:
+        assert torch.equal(scale, want_scale)
+    if DEVICE.type == "cuda":
+        assert same.float().mean() > 0.999
+    else:
+        mantissa = (want_q.float().abs() / 2 ** want_q.float().abs().log2().floor()).nan_to_num(0)
+        checked = (mantissa != 1.0) & (want_q.float().abs() < FP8_MAX)
+        assert same[checked].float().mean() > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("rows", [1, 16, 512])
+def test_norm_quantized_is_bitwise_the_two_kernels_on_the_gpu(residual, rows):
+    """On CUDA in bf16 at Qwen3-8B's width: rmsnorm_fp8 bit for bit rmsnorm then quantize_rows, hostile rows among
+    random ones, and the PyTorch reference's fp8 values (its scales to the last bit, see above)."""
+    from llm_anatomy.kernels.fp8_quant import quantize_rows, quantize_rows_reference
+    from llm_anatomy.kernels.norm import rmsnorm, rmsnorm_fp8
+
+    x, w, res = norm_inputs(4096, torch.bfloat16, residual)
+    more = rows - x.shape[0]
+    if more > 0:
+        x = torch.cat([x, rand(more, 4096, seed=13).bfloat16() * 5])
+        res = None if res is None else torch.cat([res, rand(more, 4096, seed=14).bfloat16()])
+    x, res = x[:rows].contiguous(), None if res is None else res[:rows].contiguous()
+    res_fused = None if res is None else res.clone()
+    q, scale = rmsnorm_fp8(x, w, 1e-6, residual=res_fused)
+    normed = rmsnorm(x, w, 1e-6, residual=res)
+    want_q, want_scale = quantize_rows(normed)
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
+    if residual:
+        assert torch.equal(res_fused, res)
+    ref_q, ref_scale = quantize_rows_reference(normed)
+    torch.testing.assert_close(scale, ref_scale, rtol=2.5e-7, atol=0)
+    assert (q.float() == ref_q.float()).float().mean() > 0.999
+
+
+def test_fp8_engine_with_quantizing_norms_equals_it_without(save_tiny, monkeypatch):
+    """--quantization fp8 with W8A8 products (on the CPU in float32, the W8A8 test patched to take it, as a Hopper GPU
+    takes bf16): the norms that hand qkv_proj and gate_up_proj their rows quantized (qwen3.takes_fp8_rows) give the
+    same greedy tokens and logprobs, bit for bit, as norms that write the rows for the products to quantize. A
+    prefill of 23 tokens (torch._scaled_mm), then a decode step of two rows (the W8A8 GEMV)."""
+    from llm_anatomy import Engine
+    from llm_anatomy.kernels import norm
+    from llm_anatomy.models import quant, qwen3
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    if DEVICE.type == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("W8A8 needs sm_90")
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(quant.Fp8Linear, "_w8a8", lambda self, x, dtype: self.block is None)
+    fused = []
+    rmsnorm_fp8 = norm.rmsnorm_fp8
+    monkeypatch.setattr(norm, "rmsnorm_fp8", lambda *a, **kw: fused.append(a[0].shape[0]) or rmsnorm_fp8(*a, **kw))
+    directory, _ = save_tiny(hidden_size=512, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                             head_dim=32, num_hidden_layers=1, initializer_range=0.2)
+    prompts = [[(7 * i) % 50 + 1 for i in range(20)], [8, 8, 1]]
+    out = []
+    for quantizing_norms in (True, False):
+        if not quantizing_norms:
+            monkeypatch.setattr(qwen3, "takes_fp8_rows", lambda *a, **kw: False)
+        engine = Engine.from_pretrained(directory, device=DEVICE, dtype=dtype, kv_cache_tokens=128, block_size=4,
+                                        max_num_seqs=2, quantization="fp8", fast_path=True, cuda_graphs=False)
+        result = engine.generate_many(prompts, temperature=0, max_tokens=2, ignore_eos=True, logprobs=1)
+        out.append([(r.output_token_ids, [lp for lp, _ in r.logprobs]) for r in result])
+        if quantizing_norms:  # both norms, in the prefill (both prompts) and in each decode step
+            assert fused == [23, 23, 2, 2]  # two norms, two steps
+            fused.clear()
+    assert not fused
+    assert out[0] == out[1]
+
+
+def test_which_products_the_norm_quantizes_for(monkeypatch):
+    """qwen3.takes_fp8_rows: the norm hands its rows quantized only to an fp8 layer whose fast product is W8A8
+    (per-row scales; a gated product without a bias), on the fast path, and never where the plan streams the rows
+    (batch 1: the streaming GEMV reads them in bf16)."""
+    from llm_anatomy.engine.plan import ExecutionPlan
+    from llm_anatomy.models import quant
+    from llm_anatomy.models.config import WeightScheme
+    from llm_anatomy.models.qwen3 import takes_fp8_rows
+
+    monkeypatch.setattr(quant, "_rowwise_scaled_mm", lambda device: True)  # as on a Hopper GPU
+    layer = Fp8Linear.from_linear(torch.nn.Linear(2048, 64, bias=False))
+    biased = Fp8Linear.from_linear(torch.nn.Linear(2048, 64, bias=True))
+    blocks = Fp8Linear.from_linear(torch.nn.Linear(2048, 64, bias=False), WeightScheme("block", "s", (32, 128)))
+    fast, streaming = ExecutionPlan(kernels=True), ExecutionPlan(kernels=True, stream_gemv=True)
+    rows = torch.zeros(2, 2048, dtype=torch.bfloat16)
+    one = rows[:1]
+    assert takes_fp8_rows(rows, layer, fast) and takes_fp8_rows(rows, layer, fast, gated=True)
+    assert takes_fp8_rows(one, layer, fast) and takes_fp8_rows(rows, layer, streaming)
+    assert not takes_fp8_rows(one, layer, streaming)  # batch 1 streams: bf16 rows as before
+    assert not takes_fp8_rows(rows, layer, ExecutionPlan())  # the PyTorch path
+    assert not takes_fp8_rows(rows.float(), layer, fast)  # W8A16
+    assert not takes_fp8_rows(rows, blocks, fast)  # block scales: W8A16
+    assert takes_fp8_rows(rows, biased, fast) and not takes_fp8_rows(rows, biased, fast, gated=True)
+    assert not takes_fp8_rows(rows, torch.nn.Linear(2048, 64, bias=False).bfloat16(), fast)  # bf16 weights

@@ -14,8 +14,9 @@ The product, by path:
   kernel (kernels/fp8_quant.py), then a decode step's few rows (up to 16) through the fp8 tensor-core GEMV
   (fp8_gemv.w8a8_gemv) and more rows (prefill) through torch._scaled_mm (row-wise scaling, scale_a [M, 1] and
   scale_b [1, N], float32). The gated product (gate_up) can hand on SiLU(gate) * up already quantized (Fp8Rows),
-  which the down projection takes as it is: that activation is never written in bf16 (a batch-1 decode step's
-  GEMVs are the streaming kernel's, kernels/stream_gemv.py, which quantizes the row itself, W8A8 too);
+  which the down projection takes as it is: that activation is never written in bf16; likewise the norm before
+  qkv_proj and gate_up_proj writes its result quantized (takes_fp8_rows; a batch-1 decode step's GEMVs are the
+  streaming kernel's, kernels/stream_gemv.py, which takes the bf16 row and quantizes it itself, W8A8 too);
 - elsewhere on the fast path (block scales, fp16/fp32, a GPU before sm_90): W8A16, the fp8 GEMV (up to 16 rows) or
   matmul kernel (kernels/fp8_gemv.py), which dequantizes each weight tile in registers and multiplies by the
   unquantized activations on bf16 tensor cores.
@@ -167,7 +168,7 @@ class Fp8Linear(nn.Module):
         with quantized_output as well, that quantized per token (Fp8Rows) where the product is W8A8. The batch-1
         streaming GEMV is the model's to choose (qwen3.skinny_product), with the plan. `pdl`: the Triton kernels'
         launches (kernels/pdl.py)."""
-        if isinstance(x, Fp8Rows) and not self._w8a8(x.values, x.dtype):
+        if isinstance(x, Fp8Rows) and not (self._w8a8(x.values, x.dtype) and (self.bias is None or not gated)):
             x = x.dequantized()
         y = self._fast(x, gated, pdl, quantized_output) if self.bias is None or not gated else None
         if y is None:
@@ -177,6 +178,13 @@ class Fp8Linear(nn.Module):
                 return F.silu(gate) * up
             return y
         return y if self.bias is None or isinstance(y, Fp8Rows) else y + self.bias
+
+    def takes_fp8_rows(self, x: torch.Tensor, gated: bool = False) -> bool:
+        """Whether fast_product(x, gated) quantizes x per token for a W8A8 product: where it does, the kernel
+        before it may hand x over quantized instead (Fp8Rows, the same bits: kernels/norm.rmsnorm_fp8)."""
+        from ..kernels import use_kernels
+
+        return use_kernels(x.device) and self._w8a8(x, x.dtype) and (self.bias is None or not gated)
 
     def _w8a8(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         return (self.block is None and dtype == torch.bfloat16 and _rowwise_scaled_mm(x.device)

@@ -81,6 +81,15 @@ def streamable(x: torch.Tensor, layer: nn.Module, gated: bool) -> bool:
     return stream_gemv.supports(x, layer.weight, gated) and (not is_fp8(layer) or layer.block is None)
 
 
+def takes_fp8_rows(x: torch.Tensor, layer: nn.Module, plan: ExecutionPlan, gated: bool = False) -> bool:
+    """Whether the fast path multiplies rows like x (the norm's input: its shape and dtype) by `layer` in W8A8,
+    quantizing them per token first (quant.Fp8Linear.takes_fp8_rows): the norm before the product then writes them
+    quantized itself (RMSNorm.quantized), the same bits. Never where the plan streams rows this size (batch 1: the
+    streaming GEMV reads bf16 rows)."""
+    return (plan.kernels and is_fp8(layer) and not plan.streams(x.shape[0], x.shape[1], x.dtype)
+            and layer.takes_fp8_rows(x, gated))
+
+
 def skinny_product(x: torch.Tensor, layer: nn.Module, plan: ExecutionPlan, gated: bool = False
                    ) -> torch.Tensor | None:
     """A decode step's product on the fast path: the streaming GEMV for a single row where the plan streams, the
@@ -103,6 +112,8 @@ def linear(x: torch.Tensor | PendingNorm, layer: nn.Linear, plan: ExecutionPlan)
         y = x.product(layer, plan)
         if y is None:
             return linear(x.normed(plan), layer, plan)
+    elif not isinstance(x, torch.Tensor):  # quantized by the norm for this W8A8 product (takes_fp8_rows)
+        return layer.fast_product(x, pdl=plan.pdl)
     elif not plan.kernels:
         return layer(x)
     elif (y := skinny_product(x, layer, plan)) is None:
@@ -127,7 +138,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, plan: ExecutionPlan = REFERENCE_PLAN) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: ExecutionPlan = REFERENCE_PLAN, fp8: bool = False):
+        """The norm of x; with fp8, quantized per token for the W8A8 product after it (see takes_fp8_rows)."""
+        if fp8:
+            return self.quantized(x, None, plan)
         if plan.kernels:
             return norm.rmsnorm(x, self.weight, self.eps, pdl=plan.pdl,
                                 launch_first=plan.streams(x.shape[0], x.shape[1], x.dtype))
@@ -136,21 +150,31 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def add_forward(self, x: torch.Tensor | None, residual: torch.Tensor, plan: ExecutionPlan,
-                    defer: bool = False) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+                    defer: bool = False, fp8: bool = False):
         """Residual add (in the model dtype, as HF does) followed by the norm: returns (normed, new residual).
         x None: the product was already added into the residual (see residual_linear). With defer, a single bf16
-        row that the streaming GEMV takes comes back as a PendingNorm, for the product after the norm."""
+        row that the streaming GEMV takes comes back as a PendingNorm, for the product after the norm. With fp8,
+        the normed rows come quantized per token for the W8A8 product after the norm (see takes_fp8_rows)."""
         if (defer and plan.norm_in_gemv and x is not None
                 and plan.streams(x.shape[0], x.shape[1], x.dtype)):
             pending = PendingNorm(x, residual, self, torch.empty_like(residual))
             return pending, pending.new_residual
         if x is None:
-            return self.forward(residual, plan), residual
+            return self.forward(residual, plan, fp8), residual
+        if fp8:
+            return self.quantized(x, residual, plan), residual
         if plan.kernels:  # one kernel; the residual is updated in place
             return norm.rmsnorm(x, self.weight, self.eps, residual=residual, pdl=plan.pdl,
                                 launch_first=plan.streams(x.shape[0], x.shape[1], x.dtype)), residual
         x = x + residual
         return self.forward(x, plan), x
+
+    def quantized(self, x: torch.Tensor, residual: torch.Tensor | None, plan: ExecutionPlan):
+        """The norm (after the residual add, in place, where given) by one kernel that writes it quantized per
+        token (quant.Fp8Rows): the bits Fp8Linear's W8A8 product would quantize the bf16 result to."""
+        from .quant import Fp8Rows  # quant imports this module
+
+        return Fp8Rows(*norm.rmsnorm_fp8(x, self.weight, self.eps, residual=residual, pdl=plan.pdl), x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -190,7 +214,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, batch: AttentionBatch,
                 plan: ExecutionPlan, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """The attention's output; None where it was added into `residual` (see residual_linear). x may be a
-        PendingNorm (see linear)."""
+        PendingNorm or, for a W8A8 product, quant.Fp8Rows (see linear)."""
         tokens = positions.shape[0]
         qkv = linear(x, self.qkv_proj, plan)
         if plan.kernels:
@@ -238,7 +262,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, plan: ExecutionPlan, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | None:
         """The MLP's output; None where it was added into `residual` (see residual_linear). x may be a
-        PendingNorm (see linear)."""
+        PendingNorm or, for a W8A8 product, quant.Fp8Rows (see linear)."""
         if plan.kernels:
             act = self._fast_activation(x, plan)
             if not isinstance(act, torch.Tensor):  # quantized for the fp8 down projection (quant.Fp8Rows)
@@ -257,6 +281,8 @@ class MLP(nn.Module):
             if act is not None:
                 return act
             x = x.normed(plan)
+        if not isinstance(x, torch.Tensor):  # quantized by the norm for this W8A8 product (takes_fp8_rows)
+            return layer.fast_product(x, gated=True, pdl=plan.pdl, quantized_output=is_fp8(self.down_proj))
         act = skinny_product(x, layer, plan, gated=True)  # decode: SiLU*up fused into the gate_up GEMV
         if act is not None:
             return act
@@ -276,12 +302,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, residual, positions, rotary, batch, plan: ExecutionPlan):
+        rows = x if residual is None else residual  # the norms' input rows (x may be None: see residual_linear)
+        qkv_fp8 = takes_fp8_rows(rows, self.self_attn.qkv_proj, plan)
+        gate_up_fp8 = takes_fp8_rows(rows, self.mlp.gate_up_proj, plan, gated=True)
         if residual is None:
-            residual, x = x, self.input_layernorm(x, plan)
+            residual, x = x, self.input_layernorm(x, plan, fp8=qkv_fp8)
         else:
-            x, residual = self.input_layernorm.add_forward(x, residual, plan, defer=True)
+            x, residual = self.input_layernorm.add_forward(x, residual, plan, defer=True, fp8=qkv_fp8)
         x = self.self_attn(x, positions, rotary, batch, plan, residual)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual, plan, defer=True)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual, plan, defer=True, fp8=gate_up_fp8)
         return self.mlp(x, plan, residual), residual
 
 

@@ -54,7 +54,7 @@ class Cost:
 PART_CATEGORY = {
     "linear": "gemm", "linear_inputs": "gemm", "lm_head": "gemm", "attention": "attention", "kv_read": "attention",
     "kv_write": "rope", "rope": "rope", "norm": "norm", "activation": "activation", "embedding": "copy",
-    "logits": "sampling", "bias": "other",
+    "logits": "sampling", "bias": "other", "quantize": "other",
 }
 
 
@@ -93,6 +93,12 @@ class KernelShapes:
     weight_size: int = 0
     weight_row_scale_bytes: int = 0
     kv_size: int = 0
+    # W8A8 (fp8 weights with a scale per row, bf16 activations, on Hopper or later): from 2 rows (batch 1 streams bf16 rows,
+    # kernels/stream_gemv.py) the products read their input as fp8 rows, a byte an element and a float32 scale a
+    # row. The norms write qkv_proj's and gate_up_proj's so (kernels/norm.rmsnorm_fp8); o_proj's and down_proj's
+    # come from kernels/fp8_quant.py, which reads the attention's output and the gate_up product (`quantize`).
+    # No fp8 product adds into the residual stream, so the norms read the product and the stream.
+    w8a8: bool = False
 
     def kv_bytes_per_token(self, c: ModelConfig, dtype: torch.dtype) -> int:
         return c.num_hidden_layers * 2 * c.kv_size * (self.kv_size or dtype.itemsize)
@@ -163,16 +169,20 @@ def _tile_coords(t: int, tm: int, tn: int, tiling: GemmTiling) -> tuple[int, int
 def _linear_bytes(rows: int, n: int, k: int, size: int, shapes: KernelShapes, gated: bool = False,
                   residual: bool = False) -> tuple[float, float]:
     """(weight bytes, input bytes) of one linear layer over `rows` tokens: a GEMV reads each once; a GEMM (more
-    rows) per wave of tiles, and the products that feed the residual stream also read it (added in the epilogue).
-    Weights at the plan's size (shapes.weight_size), their per-row scales once."""
+    rows) per wave of tiles, and the bf16 products that feed the residual stream also read it (added in the
+    epilogue). Weights at the plan's size (shapes.weight_size), their per-row scales once; W8A8 inputs as fp8 rows
+    with their scales (shapes.w8a8)."""
     wsize, scales = shapes.weight_size or size, n * shapes.weight_row_scale_bytes
+    w8a8 = shapes.w8a8 and size == 2 and rows > 1
+    in_size, row_scales = (1, rows * 4) if w8a8 else (size, 0)
     if rows <= shapes.gemv_max_rows:
-        return n * k * wsize + scales, rows * k * size
+        return n * k * wsize + scales, rows * k * in_size + row_scales
     if gated and rows >= shapes.gated_min_rows and not shapes.weight_size:
         a, w = gemm_reads(rows, n // 2, k, shapes.gated, shapes.sms, 2 * shapes.gated.bn)
     else:
         a, w = gemm_reads(rows, n, k, shapes.cublas, shapes.sms)
-    return w * wsize + scales, (a + (rows * n if residual else 0)) * size
+    stream = rows * n * size if residual and not shapes.weight_size else 0
+    return w * wsize + scales, a * in_size + row_scales + stream
 
 
 def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShapes) -> dict[str, float]:
@@ -184,10 +194,17 @@ def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShape
                                   (2 * inter, h, True, False), (h, inter, False, True)):
         w, x = _linear_bytes(tokens, n, k, s, shapes, gated, residual)
         weights, inputs = weights + w, inputs + x
-    fused_gate = tokens <= shapes.gemv_max_rows or tokens >= shapes.gated_min_rows
+    # SiLU * up is a kernel of its own only for bf16 prefills of 17-1023 rows: the fp8 products take it in theirs
+    # (W8A16) or hand it to the quantization of down_proj's input (W8A8)
+    fused_gate = tokens <= shapes.gemv_max_rows or tokens >= shapes.gated_min_rows or shapes.weight_size
     # A GEMV has no epilogue: its product reaches the residual stream through the norm after it, which then reads
-    # the product and the stream; after a GEMM that added it there, the norm reads the stream alone.
-    norm_inputs = 2 if tokens <= shapes.gemv_max_rows else 1
+    # the product and the stream; after a GEMM that added it there (bf16 weights), the norm reads the stream alone.
+    norm_inputs = 2 if tokens <= shapes.gemv_max_rows or shapes.weight_size else 1
+    # W8A8's own quantization kernels (shapes.w8a8): o_proj's input, and down_proj's from the gate_up product (a
+    # GEMV's SiLU * up, a GEMM's [gate, up])
+    quantize = 0.0
+    if shapes.w8a8 and dtype == torch.bfloat16 and tokens > 1:
+        quantize = tokens * (c.q_size + (inter if tokens <= shapes.gemv_max_rows else 2 * inter)) * s
     layers = c.num_hidden_layers
     return {
         "linear": layers * (weights + layer_norm_params(c) * s),
@@ -196,6 +213,7 @@ def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShape
         # QK-norm + RoPE + the cache store reads the qkv product and a cos and a sin row (float32) per token
         "rope": layers * tokens * (qkv * s + c.head_dim * 4),
         "activation": 0.0 if fused_gate else layers * tokens * 2 * inter * s,  # SiLU * up, unfused
+        "quantize": layers * quantize,
         "bias": layers * tokens * qkv * s if c.attention_bias else 0.0,  # the bias add after the qkv product
         "attention_q": layers * tokens * c.q_size * s,  # attention reads the rotated queries
     }
@@ -214,7 +232,7 @@ def _step(c: ModelConfig, dtype: torch.dtype, tokens: int, sampled: int, attenti
           partials: float, shapes: KernelShapes) -> Cost:
     s, h = dtype.itemsize, c.hidden_size
     layer = _layers(c, dtype, tokens, shapes)
-    final_norm = (2 if tokens <= shapes.gemv_max_rows else 1) * tokens * h * s
+    final_norm = (2 if tokens <= shapes.gemv_max_rows or shapes.weight_size else 1) * tokens * h * s
     return _make({
         "linear": {"flops": 2 * tokens * c.num_hidden_layers * layer_linear_params(c), "bytes": layer["linear"]},
         "linear_inputs": {"bytes": layer["linear_inputs"]},
@@ -224,6 +242,7 @@ def _step(c: ModelConfig, dtype: torch.dtype, tokens: int, sampled: int, attenti
         "rope": {"bytes": layer["rope"]},
         "norm": {"bytes": layer["norm"] + final_norm},
         "activation": {"bytes": layer["activation"]},
+        "quantize": {"bytes": layer["quantize"]},
         "bias": {"bytes": layer["bias"]},
         "embedding": {"bytes": tokens * h * s},
         "lm_head": {"flops": 2 * sampled * h * c.vocab_size,
@@ -260,6 +279,11 @@ def kv_formula(c: ModelConfig, dtype: torch.dtype) -> str:
             f"x {dtype.itemsize} B = {c.kv_bytes_per_token(dtype):,} B per token")
 
 
+def w8a8_device(device: torch.device) -> bool:
+    """Whether fp8 layers with a scale per row run W8A8 here (models/quant.py: bf16 on Hopper or later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def device_shapes(device: torch.device, plan=None) -> KernelShapes:
     """The default shapes with this device's multiprocessor count (the width of a wave of tiles) and, given the
     engine's plan, its precision (fp8 weights with a scale per row, an fp8 KV cache) and decode attention."""
@@ -270,7 +294,7 @@ def device_shapes(device: torch.device, plan=None) -> KernelShapes:
     if plan is not None:
         fp8_weights = plan.weight_dtype == "float8_e4m3fn"
         shapes = replace(shapes, attention=plan.decode_attention, weight_size=1 if fp8_weights else 0,
-                         weight_row_scale_bytes=4 if fp8_weights else 0,
+                         weight_row_scale_bytes=4 if fp8_weights else 0, w8a8=fp8_weights and w8a8_device(device),
                          kv_size=1 if plan.kv_cache_dtype == "float8_e4m3fn" else 0)
     return shapes
 
