@@ -216,3 +216,25 @@ def test_short_fresh_prompts_of_one_bucket_are_attended_together():
     together = _prefill_attention(q, k, v, k_cache, v_cache, batch, pad=True)
     alone = _prefill_attention(q, k, v, k_cache, v_cache, batch, pad=False)
     torch.testing.assert_close(together, alone)
+
+
+def test_prompts_of_exactly_a_bucket_one_after_the_other_are_attended_in_place():
+    """Fresh prompts of exactly their bucket's length, one after the other (an offline batch of equal prompts),
+    form a group of views of the step's rows, no gathers; a padded prompt or one out of order among them, and
+    another bucket's prompts, keep the gathers. Every output as one prompt at a time gives it."""
+    from llm_anatomy.models.attention import _prefill_attention
+
+    g = torch.Generator().manual_seed(2)
+    for lens, dense in (((16, 16, 16), [True]), ((16, 16, 5, 16), [False]), ((32, 32, 16, 16), [True, True]),
+                        ((16, 32, 16), [False])):
+        tokens, heads, kv_heads, dim = sum(lens), 4, 2, 8
+        q = torch.randn(tokens, heads, dim, generator=g)
+        k, v = torch.randn(2, tokens, kv_heads, dim, generator=g)
+        unused = torch.empty(0)
+        batch = AttentionBatch(unused, unused, torch.arange(tokens), True, torch.zeros(len(lens), 1),
+                               torch.tensor(lens, dtype=torch.int32), lens, (0,) * len(lens))
+        groups, _ = batch.fresh_groups(q.device)
+        assert [isinstance(where[0], int) for _, *where in groups] == dense, lens
+        together = _prefill_attention(q, k, v, unused, unused, batch, pad=True)
+        alone = _prefill_attention(q, k, v, unused, unused, batch, pad=False)
+        torch.testing.assert_close(together, alone)

@@ -39,8 +39,9 @@ class AttentionBatch:
         """Fresh prompts (nothing cached) whose bucket lengths (prefill_bucket) are equal and at most
         GROUPED_PREFILL_MAX, two or more, as groups attended in one call each: per group (its bucket length R,
         the rows of q/k/v to gather into [G x R] (a prompt's padding repeats its last row: causality hides it),
-        where the real rows sit in that, and their rows in the step); and the sequences grouped. Computed once
-        a step (the indices go up to the device once, not once a layer)."""
+        where the real rows sit in that, and their rows in the step), or (R, first row, G) for G prompts of
+        exactly R tokens one after the other, already [G x R] in the step; and the sequences grouped. Computed once a
+        step (the indices go up to the device once, not once a layer)."""
         if self._groups is None:
             by_bucket: dict[int, list[tuple[int, int, int]]] = {}
             start = 0
@@ -53,12 +54,16 @@ class AttentionBatch:
             for rows, group in by_bucket.items():
                 if len(group) < 2:
                     continue
+                members.update(i for i, _, _ in group)
+                first = group[0][1]
+                if all(n == rows and s == first + j * rows for j, (_, s, n) in enumerate(group)):
+                    groups.append((rows, first, len(group)))  # unpadded, one after the other: the rows as they are
+                    continue
                 gather = [s + min(t, n - 1) for _, s, n in group for t in range(rows)]
                 real = [j * rows + t for j, (_, _, n) in enumerate(group) for t in range(n)]
                 dest = [s + t for _, s, n in group for t in range(n)]
                 groups.append((rows, *(torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
                                        for x in (gather, real, dest))))
-                members.update(i for i, _, _ in group)
             self._groups = (groups, frozenset(members))
         return self._groups
 
@@ -167,15 +172,25 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _grouped_attention(q, k, v, out, groups) -> None:
     """Each group of fresh prompts (AttentionBatch.fresh_groups) in one causal call over [G, heads, R, head_dim]."""
-    for rows, gather, real, dest in groups:
+    for rows, *where in groups:
+        if isinstance(where[0], int):  # prompts of R tokens one after the other: views of the step's rows
+            first, g = where
+            span = slice(first, first + g * rows)
+            qi, ki, vi = (x[span].view(g, rows, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+            out[span] = _causal(qi, ki, vi).transpose(1, 2).reshape(g * rows, *q.shape[1:])
+            continue
+        gather, real, dest = where
         g = len(gather) // rows
         qi, ki, vi = (x.index_select(0, gather).view(g, rows, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-        if q.is_cuda:
-            with sdpa_kernel(GROUPED_BACKENDS, set_priority=True):
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
-        else:
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+        oi = _causal(qi, ki, vi)
         out.index_copy_(0, dest, oi.transpose(1, 2).reshape(g * rows, *q.shape[1:]).index_select(0, real))
+
+
+def _causal(q, k, v) -> torch.Tensor:
+    if q.is_cuda:
+        with sdpa_kernel(GROUPED_BACKENDS, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, pad: bool) -> torch.Tensor:
