@@ -343,10 +343,12 @@ def test_quantize_rows_launch_shapes_on_hostile_rows(gated, rows, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("rows", [1, 16, 512])
-def test_norm_quantized_is_bitwise_the_two_kernels_on_the_gpu(residual, rows):
-    """On CUDA in bf16 at Qwen3-8B's width: rmsnorm_fp8 bit for bit rmsnorm then quantize_rows, hostile rows among
-    random ones, and the PyTorch reference's fp8 values (its scales to the last bit, see above)."""
+@pytest.mark.parametrize("rows", [1, 16, 512, 8192])
+def test_norm_quantized_is_the_two_kernels_on_the_gpu(residual, rows):
+    """On CUDA in bf16 at Qwen3-8B's width: rmsnorm_fp8 against rmsnorm then quantize_rows, hostile rows among
+    random ones, and the PyTorch reference's fp8 values (its scales to the last bit, see above). The residual and
+    the scales bit for bit; the values too but for a rare one a code away (Triton may order the fp8 variant's sum
+    of squares differently: measured 8 of 33.5 million at 8192 rows)."""
     from llm_anatomy.kernels.fp8_quant import quantize_rows, quantize_rows_reference
     from llm_anatomy.kernels.norm import rmsnorm, rmsnorm_fp8
 
@@ -360,7 +362,9 @@ def test_norm_quantized_is_bitwise_the_two_kernels_on_the_gpu(residual, rows):
     q, scale = rmsnorm_fp8(x, w, 1e-6, residual=res_fused)
     normed = rmsnorm(x, w, 1e-6, residual=res)
     want_q, want_scale = quantize_rows(normed)
-    assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
+    apart = bits(q).int() - bits(want_q).int()
+    assert torch.equal(scale, want_scale) and apart.abs().max().item() <= 1
+    assert (apart != 0).sum().item() <= q.numel() * 1e-6
     if residual:
         assert torch.equal(res_fused, res)
     ref_q, ref_scale = quantize_rows_reference(normed)

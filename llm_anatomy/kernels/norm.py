@@ -4,8 +4,11 @@ Numerics are HF Qwen3's: the add rounds to the model dtype, the norm runs in flo
 to the model dtype before the weight multiplies it.
 
 rmsnorm_fp8 writes the result quantized per token for a W8A8 product instead (fp8 e4m3 values and a float32 scale
-per row): the same bits as fp8_quant.quantize_rows(rmsnorm(...)), the result rounded to the model dtype and then
-quantized by the same arithmetic (fp8_quant.row_scale, to_fp8), without writing it and reading it back.
+per row): the arithmetic of fp8_quant.quantize_rows(rmsnorm(...)), the result rounded to the model dtype and then
+quantized (fp8_quant.row_scale, to_fp8), without writing it and reading it back. The same bits in Triton's
+interpreter; on a GPU Triton lays this variant out differently and may add a row's squares in another order, so a
+rare value lands on the neighbouring model-dtype value before it is quantized (8 of 33.5 million at 8192 rows of
+4096 on an H200; tests/test_quant_kernels.py).
 """
 
 import torch
@@ -63,8 +66,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 
 def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """rmsnorm's result quantized per token: (fp8 e4m3 [rows, n], float32 scales [rows, 1]), bitwise
-    fp8_quant.quantize_rows(rmsnorm(x, weight, eps, residual)); the residual as rmsnorm leaves it."""
+    """rmsnorm's result quantized per token: (fp8 e4m3 [rows, n], float32 scales [rows, 1]), as
+    fp8_quant.quantize_rows(rmsnorm(x, weight, eps, residual)) (see the module's docstring for a rare last-bit
+    difference on a GPU); the residual as rmsnorm leaves it."""
     rows, n = x.shape
     q = torch.empty(rows, n, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)

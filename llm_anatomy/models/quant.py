@@ -181,7 +181,7 @@ class Fp8Linear(nn.Module):
 
     def takes_fp8_rows(self, x: torch.Tensor, gated: bool = False) -> bool:
         """Whether fast_product(x, gated) quantizes x per token for a W8A8 product: where it does, the kernel
-        before it may hand x over quantized instead (Fp8Rows, the same bits: kernels/norm.rmsnorm_fp8)."""
+        before it may hand x over quantized instead (Fp8Rows, the same arithmetic: kernels/norm.rmsnorm_fp8)."""
         from ..kernels import use_kernels
 
         return use_kernels(x.device) and self._w8a8(x, x.dtype) and (self.bias is None or not gated)

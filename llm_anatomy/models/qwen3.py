@@ -84,7 +84,7 @@ def streamable(x: torch.Tensor, layer: nn.Module, gated: bool) -> bool:
 def takes_fp8_rows(x: torch.Tensor, layer: nn.Module, plan: ExecutionPlan, gated: bool = False) -> bool:
     """Whether the fast path multiplies rows like x (the norm's input: its shape and dtype) by `layer` in W8A8,
     quantizing them per token first (quant.Fp8Linear.takes_fp8_rows): the norm before the product then writes them
-    quantized itself (RMSNorm.quantized), the same bits. Never where the plan streams rows this size (batch 1: the
+    quantized itself (RMSNorm.quantized), the same arithmetic. Never where the plan streams rows this size (batch 1: the
     streaming GEMV reads bf16 rows)."""
     return (plan.kernels and is_fp8(layer) and not plan.streams(x.shape[0], x.shape[1], x.dtype)
             and layer.takes_fp8_rows(x, gated))
