@@ -195,7 +195,7 @@ def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShape
         w, x = _linear_bytes(tokens, n, k, s, shapes, gated, residual)
         weights, inputs = weights + w, inputs + x
     # SiLU * up is a kernel of its own only for bf16 prefills of 17-1023 rows: the fp8 products take it in theirs
-    # (W8A16) or hand it to the quantization of down_proj's input (W8A8)
+    # (the batch-1 streaming GEMV, the W8A16 kernels) or hand it to the quantization of down_proj's input (W8A8)
     fused_gate = tokens <= shapes.gemv_max_rows or tokens >= shapes.gated_min_rows or shapes.weight_size
     # A GEMV has no epilogue: its product reaches the residual stream through the norm after it, which then reads
     # the product and the stream; after a GEMM that added it there (bf16 weights), the norm reads the stream alone.
