@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions and POST /v1/completions: one call per choice on the engine loop, answered whole
+"""POST /v1/chat/completions and POST /v1/completions: one call per choice on the engine core, answered whole
 or streamed as server-sent events. Every response carries `x-anatomy-id`."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ async def completion(ctx: ServerContext, request: Request, chat: bool) -> Respon
         for call in calls:
             ctx.loop.abort(call)
         raise
-    headers = {"x-anatomy-id": ",".join(c.id for c in calls), "x-llm-anatomy-weights": ctx.engine.weights.kind}
+    headers = {"x-anatomy-id": ",".join(c.id for c in calls), "x-llm-anatomy-weights": ctx.info.weights_kind}
     if first.request.stream:
         return EventStream(stream(ctx, calls), headers={**headers, "cache-control": "no-cache"})
     try:
@@ -89,7 +89,7 @@ async def completion(ctx: ServerContext, request: Request, chat: bool) -> Respon
 
 
 async def whole_answer(ctx: ServerContext, calls: list[Call], ends: list[Progress]) -> dict:
-    first, req, tokenizer = calls[0], calls[0].request, ctx.engine.tokenizer
+    first, req, tokenizer = calls[0], calls[0].request, ctx.info.tokenizer
     out = None
     for i, (call, end) in enumerate(zip(calls, ends)):
         text = (call.prompt_text or "") + end.text if req.echo else end.text
@@ -127,7 +127,7 @@ async def wait_done(ctx: ServerContext, call: Call, request: Request) -> Progres
 
 async def anatomy_of(ctx: ServerContext, call: Call) -> dict | None:
     """The call's anatomy summary, asking the builder for it first and waiting until it is built."""
-    ctx.loop.builder.want(call.id)
+    ctx.loop.want(call.id)
     while not call.anatomy_built:
         await call.events.take()  # the builder posts once it is done
     return call.anatomy
@@ -155,7 +155,7 @@ class ChoiceStream:
         """Logprobs of the tokens since the last chunk that carried some."""
         if not self.want_logprobs or event.tokens <= self.logprobs_sent:
             return None
-        body = logprobs_body(self.req, self.ctx.engine.tokenizer, event.token_ids[self.logprobs_sent:event.tokens],
+        body = logprobs_body(self.req, self.ctx.info.tokenizer, event.token_ids[self.logprobs_sent:event.tokens],
                              event.logprobs[self.logprobs_sent:event.tokens], offset=self.sent)
         self.logprobs_sent = event.tokens
         return body
