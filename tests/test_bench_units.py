@@ -4,7 +4,6 @@ the Prometheus view, energy, the anatomy join and the reports."""
 import json
 import math
 import socket
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
