@@ -255,7 +255,7 @@ def test_our_own_servers_metrics_are_read():
     before = Snapshot(parse(metrics.render().decode()), "llm_anatomy:", 0)
     assert flavour(before.samples) == "llm_anatomy:"
     metrics.finished("length", 16, 8)
-    a = sample_anatomy()  # what the server observes from a finished call's trace (Metrics.observe_trace)
+    a = sample_anatomy()  # what the server observes from a finished call's trace (metrics.call_stats, Metrics.observe)
     metrics.ttft.labels("m").observe(a.ttft_ms / 1e3)
     metrics.queue.labels("m").observe(a.batching.queue_ms / 1e3)
     after = Snapshot(parse(metrics.render().decode()), "llm_anatomy:", 1)

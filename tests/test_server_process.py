@@ -204,3 +204,27 @@ def test_an_engine_that_cannot_load_is_one_clear_error(checkpoint, tmp_path, cap
                  "--port", "0", "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("llm-anatomy: error: the engine could not start") and "Traceback" not in "".join(err)
+
+
+def test_build_server_takes_a_spec_or_an_engine_and_nothing_else(tmp_path):
+    with pytest.raises(TypeError, match="EngineSpec or an Engine"):
+        build_server(str(tmp_path), host="127.0.0.1", port=0, model_names=(MODEL,), ceilings=CEILINGS,
+                     run_dir=tmp_path / "run", telemetry_hz=None)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_http_process_never_touches_the_device(tmp_path):
+    """The engine's process holds the device (graphs, telemetry, the measured anatomy); this one none of it."""
+    import torch
+
+    before = torch.cuda.is_initialized()  # other tests of the session may have
+    spec = EngineSpec.of("Qwen/Qwen3-0.6B", device="cuda", weights="synthetic", max_model_len=4096, max_num_seqs=8)
+    running = Running(spec, tmp_path)
+    try:
+        r = chat(running, max_tokens=16, temperature=0, extra_body={"anatomy": True, **NO_EOS})
+        assert r.usage.completion_tokens == 16 and r.model_extra["anatomy"]["output_tokens"] == 16
+        stored = httpx.get(f"{running.url}/v1/anatomy/{r.model_extra['anatomy']['id']}").json()
+        assert stored["device"]["type"] == "cuda"
+        assert torch.cuda.is_initialized() == before  # serving did not
+    finally:
+        running.stop()
