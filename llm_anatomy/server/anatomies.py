@@ -124,7 +124,7 @@ class AnatomyBuilder:
 
     # ---- from other threads ---------------------------------------------------------------------------
     def add(self, call: "Call", trace: RequestTrace, result, live_from: int | None = None) -> None:
-        """A finished call (engine thread): its metrics now, its anatomy when the child can take it. `live_from`:
+        """A finished call (the step loop): its metrics now, its anatomy when the child can take it. `live_from`:
         the oldest step the calls still running may come to need (the child forgets those before it)."""
         with self._lock:
             self._live_from = live_from
@@ -291,7 +291,7 @@ class AnatomyBuilder:
         child.process.join(5)
         with self._lock:
             done = self._stopping and not self._waiting
-        fresh = None if done else Child(self.setup)  # started outside the lock: the engine thread takes it
+        fresh = None if done else Child(self.setup)  # started outside the lock: the step loop takes it
         with self._lock:
             lost = list(self._building.values())
             self._building.clear()

@@ -89,6 +89,8 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
     `ceilings`: None measures them (or reads the cache) where the engine runs, or takes the datasheet's without
     `calibrate`. `api_keys`: the accepted keys (`api_key`, one more); none: no key needed. `stream_interval`:
     tokens per streamed chunk at most (core.py)."""
+    if not isinstance(engine, (EngineSpec, Engine)):
+        raise TypeError(f"engine must be an EngineSpec or an Engine, got {type(engine).__name__}")
     keys = tuple(api_keys) + ((api_key,) if api_key else ())
     run_dir = Path(run_dir).expanduser()
     options = CoreOptions(ceilings, calibrate, device_why, telemetry_hz, keep_anatomies, stream_interval)
@@ -96,10 +98,8 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
     metrics = Metrics(model_names[0])
     if isinstance(engine, EngineSpec):
         client = EngineClient.spawn(engine, options, store, metrics, switch_interval_s, gc_threshold)
-    elif isinstance(engine, Engine):
-        client = EngineClient.in_thread(engine, options, store, metrics)
     else:
-        raise TypeError(f"engine must be an EngineSpec or an Engine, got {type(engine).__name__}")
+        client = EngineClient.in_thread(engine, options, store, metrics)
     try:
         info = client.start(progress)
     except BaseException:
@@ -122,8 +122,8 @@ def collector_while_serving(threshold: int | None = SERVING_GC_THRESHOLD):
     """The cyclic collector's young passes every `threshold` allocations in this block (None: as they are). Each
     decode step allocates thousands of objects that live for a while (its streams' progress, its calls' step
     records, the futures and messages of hundreds of chunks): with Python's 700, a young pass, and every tenth an
-    older one, runs every step or two, each re-walking the objects still alive, in the engine thread and the event
-    loop alike."""
+    older one, runs every step or two, each re-walking the objects still alive, in the step loop and the event loop
+    alike (each in its own process)."""
     before = gc.get_threshold()
     if threshold is not None:
         gc.set_threshold(threshold, *before[1:])

@@ -225,6 +225,8 @@ class EngineCore:
     def _take_inbox(self, inbox, block: bool) -> bool:
         """Admit new calls and process aborts. False once told to stop and nothing is left to run."""
         while True:
+            if block and self._stopping:  # told to stop, and nothing runs
+                return False
             if not inbox.poll(IDLE_POLL_S if block else 0):
                 if block:
                     self._reanchor_clock()

@@ -107,7 +107,7 @@ class _Live:
 class _ManyHistogram:
     """A histogram fed many values at once (a request's gaps between tokens: one per token) under one lock;
     prometheus_client's Histogram takes a lock per value, which at thousands of tokens a second costs the
-    interpreter time the engine thread needs."""
+    interpreter time the event loop needs."""
 
     def __init__(self, name: str, documentation: str, model: str, buckets: tuple[float, ...]):
         self.name, self.documentation, self.model = name, documentation, model
@@ -180,7 +180,7 @@ class Metrics:
                               "of the device's (by its tokens' fraction of each step), else the device's over its "
                               "span.", m, registry=r)
         self.anatomy_build = Histogram(PREFIX + "anatomy_build_seconds", "Time to build a finished call's anatomy "
-                                       "(off the engine thread; includes waiting for the energy counter's next "
+                                       "(off the step loop; includes waiting for the energy counter's next "
                                        "update).", m, buckets=TPOT_BUCKETS, registry=r)
         self.anatomies_dropped = Counter(PREFIX + "anatomies_dropped", "Anatomies not built: the server was too busy "
                                          "to build them before newer ones pushed them out.", m, registry=r)
