@@ -324,7 +324,7 @@ def core_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     req = request(prompt_tokens, output_tokens)
     calls = []
     for _ in range(batch):
-        c = front.prepare(req, time.perf_counter_ns(), None)
+        c = front.prepare(req, time.perf_counter_ns())
         calls.append(CoreCall(c.id, c.request, c.marks, c.prompt_token_ids, c.prompt_text, c.params))
     times, cpu, send_cpu, sent_bytes = [], [], [], []
     with torch_inference():

@@ -76,7 +76,7 @@ class Receiving(EngineClient):
 
     def __init__(self, store, core_calls):
         super().__init__(store, Metrics("m"))
-        self.calls = {c.id: Call(c.id, c.request, c.marks, [5], None, c.params, NowLoop()) for c, _, _ in core_calls}
+        self.calls = {c.id: Call(c.id, c.request, c.marks, [5], None, c.params) for c, _, _ in core_calls}
         self._calls = dict(self.calls)
         self._event_loop = NowLoop()
 

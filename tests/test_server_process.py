@@ -143,7 +143,7 @@ def test_a_call_that_fails_in_the_engines_process_fails_alone(server):
 
     async def poisoned():
         req = chat_request(ChatCompletionRequest.model_validate({"model": MODEL, "messages": HELLO, "max_tokens": 3}))
-        call = client.prepare(req, time.perf_counter_ns(), asyncio.get_running_loop())
+        call = client.prepare(req, time.perf_counter_ns())
         call.prompt_token_ids = [10 ** 9]
         client.submit(call)
         while True:
@@ -213,6 +213,7 @@ def test_build_server_takes_a_spec_or_an_engine_and_nothing_else(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_http_process_never_touches_the_device(tmp_path):
     """The engine's process holds the device (graphs, telemetry, the measured anatomy); this one none of it."""
     import torch

@@ -45,7 +45,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def prepare(ctx: ServerContext, raw: bytes, chat: bool, received_ns: int, loop, owner: str | None) -> Call:
+def prepare(ctx: ServerContext, raw: bytes, chat: bool, received_ns: int, owner: str | None) -> Call:
     """Parse, check, template and tokenize (in a worker thread: a large body must not hold up the streams)."""
     body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
     req = dataclasses.replace(chat_request(body) if chat else completion_request(body), fingerprint=ctx.fingerprint)
@@ -53,7 +53,7 @@ def prepare(ctx: ServerContext, raw: bytes, chat: bool, received_ns: int, loop, 
         raise APIError(404, f"the model {req.model[:200]!r} does not exist here; this server serves "
                             f"{ctx.options.model_names[0]!r} (GET /v1/models)", param="model", code="model_not_found")
     ctx.note_ignored(req.shown.get("ignored_fields", []))
-    return ctx.loop.prepare(req, received_ns, loop, owner)
+    return ctx.loop.prepare(req, received_ns, owner)
 
 
 async def completion(ctx: ServerContext, request: Request, chat: bool) -> Response:
@@ -62,8 +62,7 @@ async def completion(ctx: ServerContext, request: Request, chat: bool) -> Respon
         raise unavailable("the server is draining: it finishes the requests in flight and takes no new ones",
                           code="draining")
     raw = await read_body(request, ctx.options.max_body_bytes)
-    first = await asyncio.to_thread(prepare, ctx, raw, chat, received, asyncio.get_running_loop(),
-                                    request.scope.get(OWNER))
+    first = await asyncio.to_thread(prepare, ctx, raw, chat, received, request.scope.get(OWNER))
     calls = [first] + [ctx.loop.another_choice(first, i) for i in range(1, first.request.n)]
     try:
         for call in calls:

@@ -99,7 +99,6 @@ class Call:
     prompt_token_ids: list[int]
     prompt_text: str | None
     params: SamplingParams
-    loop: asyncio.AbstractEventLoop
     owner: str | None = None  # the salted hash of the API key that made it (None without keys)
     events: Mailbox = field(default_factory=Mailbox)
     text: str = ""  # the output so far, put together from the core's deltas
@@ -230,8 +229,7 @@ class EngineClient:
             return f"the last {g.failed_steps} engine steps failed; the latest: {g.last_failure}"
         return None
 
-    def prepare(self, request: Request, received_ns: int, loop: asyncio.AbstractEventLoop,
-                owner: str | None = None) -> Call:
+    def prepare(self, request: Request, received_ns: int, owner: str | None = None) -> Call:
         """Template, tokenize and check a request (in a worker thread): every error a user can fix is raised
         here, before the call reaches the engine."""
         admission = self.info.admission
@@ -252,7 +250,7 @@ class EngineClient:
             code = "context_length_exceeded" if "context" in str(e) or "KV cache" in str(e) else None
             raise APIError(400, str(e), param=e.param, code=code) from None
         marks = Marks(received_ns, rendered.template_ns, rendered.tokenize_ns, time.perf_counter_ns())
-        return Call(uuid.uuid4().hex[:16], request, marks, ids, prompt_text, params, loop, owner)
+        return Call(uuid.uuid4().hex[:16], request, marks, ids, prompt_text, params, owner)
 
     def another_choice(self, call: Call, index: int) -> Call:
         """Choice `index` of a request with n > 1: the same prompt, its own sequence and anatomy; with a seed,
@@ -261,7 +259,7 @@ class EngineClient:
         if params.seed is not None:
             params = dataclasses.replace(params, seed=seed_for_choice(params.seed, index))
         return Call(uuid.uuid4().hex[:16], call.request, dataclasses.replace(call.marks), call.prompt_token_ids,
-                    call.prompt_text, params, call.loop, call.owner)
+                    call.prompt_text, params, call.owner)
 
     def submit(self, call: Call) -> None:
         if self._stopping:
