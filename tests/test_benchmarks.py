@@ -369,7 +369,7 @@ def test_serve_sweep_table(scripts):
     assert lines[3] == ("| 512/256 | 64 | 5294 | 6451 | 653.9 / 1558.9 / 1574.3 | 8.56 / 12.34 / 12.34 | 14.20 | "
                         "50.0 | 0.116 | True |")
     assert lines[4].startswith("| 512/256 | 512 | 5294 | - |") and lines[4].endswith("| 14.20 | - | - | True |")
-    assert lines[5] == "anatomy build (off the engine thread): 15.4 ms per call on average; 12 dropped unbuilt"
+    assert lines[5] == "anatomy build (off the step loop): 15.4 ms per call on average; 12 dropped unbuilt"
     assert lines[7] == "llm-anatomy bench at 512 streams, 2000 prompts: exit 0, 14000 tok/s, errors 0"
     # the short table comes last: level, shape, engine and server tok/s, their ratio, errors, TTFT p50 / p99
     assert lines[-4] == "| level | shape | engine tok/s | server tok/s | ratio | errors | TTFT p50 / p99 ms |"
