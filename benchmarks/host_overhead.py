@@ -1,14 +1,15 @@
 """Host time per engine step of the server's path, against the batch size, with a model that costs nothing.
 
 The engine's forward and sampler are replaced by ones that return at once (a random token per sequence), so
-that what is left is the host's own work: scheduling and detokenizing (the bare engine), then the server's
-engine thread on top (the Recorder's per-step records, the calls' progress handed to the event loop), the
-event loop turning that progress into SSE lines, the same calls served whole through HTTP (the app with its Guard
-middleware, the completion handler, Starlette's StreamingResponse and uvicorn's loop and protocol writing to
-connections that drop the bytes: the event loop's time per step and per chunk written), and the anatomies of a
-step's worth of finished calls (B calls over their output tokens' steps): the server process's share (packing each
-call for the builder's process) and the builder process's own (building it), measured here one after the other.
-Runs on the CPU; no GPU.
+that what is left is the host's own work: scheduling and detokenizing (the bare engine); then the server's engine
+core on top (the Recorder's per-step records, the calls' outputs, the step's one message pickled and written to
+the pipe to the HTTP process: the core's process's time per step, and of it the message's); the HTTP process's
+share of that message (its reading thread: receiving and unpickling it); the same calls served through HTTP (the
+app with its Guard middleware, the completion handler, the event stream and uvicorn's loop and protocol writing
+to connections that drop the bytes: the event loop's and the reading thread's time per step and per chunk
+written, fed by a core over a real pipe); and the anatomies of a step's worth of finished calls (B calls over
+their output tokens' steps): the core's share (packing each call for the builder's process) and the builder
+process's own (building it), measured here one after the other. Runs on the CPU; no GPU.
 
     python3 benchmarks/host_overhead.py --batch-sizes 1,64,256,512 --output-tokens 128
 """
@@ -23,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from pathlib import Path
 
 from bench_args import Parser, output_file, positive_int, positive_ints
@@ -69,49 +69,65 @@ def tiny_engine(directory: Path, batch: int, prompt_tokens: int, output_tokens: 
     return engine
 
 
-class Consumers:
-    """An event loop on its own thread, one task per call taking its progress and encoding its SSE line, as a
-    stream handler does (the HTTP write itself is left out). Counts the loop thread's CPU time."""
+def make_core(engine, send, run_dir: Path):
+    """The server's engine core around `engine`, sending to `send` (its anatomy builder not started: the calls it
+    is handed wait there)."""
+    from llm_anatomy.anatomy import Ceilings
+    from llm_anatomy.server.core import CoreOptions, EngineCore
 
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.cpu_s = 0.0
+    ceilings = Ceilings("cpu", read_gbps=20.0, gemv_gbps=15.0, matmul_tflops=0.5, datasheet_gbps=None,
+                        datasheet_tflops=None, measured_at="host_overhead")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return EngineCore(engine, CoreOptions(ceilings, device_why="host_overhead", telemetry_hz=None,
+                                          keep_anatomies=100_000), ceilings, send, None, "no telemetry")
+
+
+def drop_core(engine, core) -> None:
+    for observer in (core.recorder, core.open_steps):
+        engine.observers.remove(observer)
+
+
+def torch_inference():
+    import torch
+
+    return torch.inference_mode()
+
+
+class TimedSender:
+    """The core's Sender, timing each message's pickling and write (this thread's CPU) and counting its bytes."""
+
+    def __init__(self, conn):
+        self.conn, self.cpu_s, self.bytes, self.messages = conn, 0.0, 0, 0
+
+    def __call__(self, message) -> None:
+        import pickle
+
+        t0 = time.thread_time()
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # what Connection.send does
+        self.conn.send_bytes(data)
+        self.cpu_s += time.thread_time() - t0
+        self.bytes += len(data)
+        self.messages += 1
+
+
+class Receiver:
+    """The HTTP process's reading thread, without an event loop to hand to: receives and unpickles the core's
+    messages; its CPU time is read at the end."""
+
+    def __init__(self, conn):
+        self.conn, self.cpu_s, self.messages = conn, 0.0, 0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self):
-        asyncio.set_event_loop(self.loop)
         t0 = time.thread_time()
-        self.loop.run_forever()
+        while self.conn.recv() != "end":
+            self.messages += 1
         self.cpu_s = time.thread_time() - t0
 
-    def follow(self, ctx, call):
-        from llm_anatomy.server.completions import ChoiceStream
-
-        async def drain():
-            async for _ in ChoiceStream(ctx, call, call.id, 0, 0).lines():
-                pass
-        return asyncio.run_coroutine_threadsafe(drain(), self.loop)
-
     def stop(self) -> float:
-        self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         return self.cpu_s
-
-
-def server_parts(engine, run_dir: Path):
-    """The server's engine loop and anatomy builder around `engine`, neither thread started."""
-    from llm_anatomy.anatomy import Ceilings
-    from llm_anatomy.server.anatomies import AnatomyBuilder
-    from llm_anatomy.server.loop import EngineLoop
-    from llm_anatomy.server.metrics import Metrics
-    from llm_anatomy.server.store import AnatomyStore
-
-    ceilings = Ceilings("cpu", read_gbps=20.0, gemv_gbps=15.0, matmul_tflops=0.5, datasheet_gbps=None,
-                        datasheet_tflops=None, measured_at="host_overhead")
-    store = AnatomyStore(run_dir, keep=100_000)
-    builder = AnatomyBuilder(engine, ceilings, store, Metrics("tiny", engine), None, "no telemetry", "host_overhead")
-    return EngineLoop(engine, builder)
 
 
 class DroppedConnection(asyncio.Transport):
@@ -211,35 +227,63 @@ def http_request(prompt_tokens: int, output_tokens: int) -> bytes:
 
 
 def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_dir: Path) -> dict:
-    """The event loop's CPU per decode step and per SSE chunk written, serving `batch` streams through HTTP; this
-    thread stands in for the engine thread (admitting the calls the handlers submit, stepping)."""
+    """The HTTP process's CPU per decode step and per SSE chunk written, serving `batch` streams through HTTP: its
+    event loop, and its reading thread. This thread stands in for the core's process (a real core over a real
+    pipe, stepped here one step at a time)."""
+    import multiprocessing
+
     from llm_anatomy.server.auth import Keys, load_salt
     from llm_anatomy.server.context import Drain, ServeOptions, ServerContext
+    from llm_anatomy.server.core import EngineInfo, Sender
+    from llm_anatomy.server.loop import EngineClient
+    from llm_anatomy.server.metrics import Metrics
+    from llm_anatomy.server.store import AnatomyStore
 
-    loop = server_parts(engine, run_dir)
-    loop._thread = threading.current_thread()  # the loop takes calls while its engine thread is alive: this one
-    ctx = ServerContext(loop, ServeOptions(("tiny",)), Keys((), load_salt(run_dir)), Drain(60.0), "host-overhead")
+    class Counted(EngineClient):
+        delivered = 0
+
+        def _deliver(self, outputs, failures):
+            super()._deliver(outputs, failures)
+            self.delivered += 1
+
+    their_inbox, to_core = multiprocessing.Pipe(duplex=False)
+    from_core, their_outbox = multiprocessing.Pipe(duplex=False)
+    client = Counted(AnatomyStore(run_dir, keep=100_000), Metrics("tiny"))
+    client._to_core, client._from_core, client._worker = to_core, from_core, threading.current_thread()
+    client.info = EngineInfo.of(engine)
+    client._writer.start()
+    core = make_core(engine, Sender(their_outbox), run_dir)
+    ctx = ServerContext(client, ServeOptions(("tiny",)), Keys((), load_salt(run_dir)), Drain(60.0), "host-overhead")
     http = HttpStreams(ctx)
+    client.attach(http.loop)
+    reader_clock = time.pthread_getcpuclockid(client._reader.ident)
     http.open(http_request(prompt_tokens, output_tokens), batch)
-    while len(loop._calls) < batch:  # each handler parses and tokenizes in a worker thread, then submits
+    while len(core._calls) < batch:  # each handler parses and tokenizes in a worker thread, then submits
         if http.finished():
             raise RuntimeError(f"the server answered without streaming: {http.protocols[0].transport.head!r}")
-        loop._take_inbox(block=False)
+        core._take_inbox(their_inbox, block=False)
         time.sleep(0.001)
     while not http.started():  # each response's head written: what follows is the streams' chunks
         time.sleep(0.001)
-    cpu0, writes0 = http.cpu_s(), http.writes()
-    while engine.has_work():
-        loop._step()
-        http.settle()
-        for trace in loop.recorder.take_finished():
-            loop._calls.pop(trace.request_id)
+    cpu0, reader0, writes0 = http.cpu_s(), time.clock_gettime(reader_clock), http.writes()
+    with torch_inference():
+        while engine.has_work():
+            before = client.delivered
+            core._step()
+            core._hand_over_finished()
+            core._flush()
+            while client.delivered == before:  # until the reading thread has handed the step to the event loop
+                time.sleep(0.0002)
+            http.settle()
     while not http.finished():
         time.sleep(0.001)
     cpu_ms, chunks = (http.cpu_s() - cpu0) * 1e3, http.writes() - writes0
+    reader_ms = (time.clock_gettime(reader_clock) - reader0) * 1e3
+    client._stopping = True  # its pipes close with this function: no engine to mourn
     http.stop()
+    drop_core(engine, core)
     return {"http_loop_ms": cpu_ms / max(1, output_tokens), "http_us_per_chunk": cpu_ms * 1e3 / max(1, chunks),
-            "http_chunks_per_stream": chunks / batch}
+            "http_chunks_per_stream": chunks / batch, "http_reader_ms": reader_ms / max(1, output_tokens)}
 
 
 def request(prompt_tokens: int, output_tokens: int):
@@ -263,34 +307,50 @@ def bare_engine_steps(engine, batch: int, prompt_tokens: int, output_tokens: int
     return times
 
 
-def server_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_dir: Path) -> dict:
-    """The server's engine thread per decode step, its event loop's work per step, and the anatomies."""
-    loop = server_parts(engine, run_dir)
-    consumers = Consumers()
-    ctx = types.SimpleNamespace(engine=engine)  # all a stream handler reads of the server's context here
+def core_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_dir: Path) -> dict:
+    """The server's engine core per decode step (its CPU, and of it the step's message: pickled, written to a
+    pipe), the HTTP process's reading thread per message (receiving, unpickling), and the anatomies."""
+    import multiprocessing
+
+    from llm_anatomy.server.core import CoreCall, EngineInfo
+    from llm_anatomy.server.loop import EngineClient
+
+    from_core, their_outbox = multiprocessing.Pipe(duplex=False)
+    sender = TimedSender(their_outbox)
+    receiver = Receiver(from_core)
+    core = make_core(engine, sender, run_dir)
+    front = EngineClient(None, None)  # the HTTP side's prepare, as the handlers run it
+    front.info = EngineInfo.of(engine)
     req = request(prompt_tokens, output_tokens)
-    calls = [loop.prepare(req, time.perf_counter_ns(), consumers.loop) for _ in range(batch)]
-    followers = [consumers.follow(ctx, c) for c in calls]
-    for call in calls:
-        loop._add(call)
-    times, cpu, finished = [], [], []
-    while engine.has_work():
-        t0, c0 = time.perf_counter(), time.thread_time()
-        loop._step()
-        elapsed, used = time.perf_counter() - t0, time.thread_time() - c0
-        if all(c.seq.output_token_ids[1:] for c in calls):  # a decode step
-            times.append(elapsed * 1e3)
-            cpu.append(used * 1e3)
-        for trace in loop.recorder.take_finished():
-            finished.append((trace, loop._calls.pop(trace.request_id)))
-    for f in followers:
-        f.result(timeout=60)
-    loop_cpu_s = consumers.stop()
-    parent, child = anatomy_costs(loop.builder, engine, finished)
+    calls = []
+    for _ in range(batch):
+        c = front.prepare(req, time.perf_counter_ns())
+        calls.append(CoreCall(c.id, c.request, c.marks, c.prompt_token_ids, c.prompt_text, c.params))
+    times, cpu, send_cpu, sent_bytes = [], [], [], []
+    with torch_inference():
+        for call in calls:
+            core._add(call)
+        while engine.has_work():
+            t0, c0, s0, b0 = time.perf_counter(), time.thread_time(), sender.cpu_s, sender.bytes
+            core._step()
+            core._hand_over_finished()
+            core._flush()
+            elapsed, used = time.perf_counter() - t0, time.thread_time() - c0
+            if all(c.seq.output_token_ids[1:] for c in calls):  # a decode step
+                times.append(elapsed * 1e3)
+                cpu.append(used * 1e3)
+                send_cpu.append((sender.cpu_s - s0) * 1e3)
+                sent_bytes.append(sender.bytes - b0)
+    finished = [(trace, call) for call, trace, _ in core.builder._waiting.values()]
+    sender("end")
+    recv_s = receiver.stop()
+    parent, child = anatomy_costs(core.builder, engine, finished)
+    drop_core(engine, core)
     steps = output_tokens  # each call's anatomy covers its `output_tokens` steps, shared by the batch
-    return {"engine_thread_ms": statistics.median(times), "engine_thread_cpu_ms": statistics.median(cpu),
-            "engine_thread_cpu_mean_ms": statistics.mean(cpu),  # with the collector's pauses, which the median skips
-            "event_loop_ms": loop_cpu_s * 1e3 / max(1, output_tokens),
+    return {"core_ms": statistics.median(times), "core_cpu_ms": statistics.median(cpu),
+            "core_cpu_mean_ms": statistics.mean(cpu),  # with the collector's pauses, which the median skips
+            "ipc_send_ms": statistics.median(send_cpu), "ipc_kb": statistics.median(sent_bytes) / 1e3,
+            "ipc_recv_ms": recv_s * 1e3 / max(1, receiver.messages),
             "anatomy_parent_ms_per_call": statistics.median(parent),
             "anatomy_parent_ms_per_step": statistics.mean(parent) * batch / steps,
             "anatomy_ms_per_call": statistics.median(child),
@@ -308,7 +368,6 @@ def anatomy_costs(builder, engine, finished) -> tuple[list[float], list[float]]:
     sent: set[int] = set()
     parent, child = [], []
     for trace, call in finished:
-        call.marks.end = trace.finished_ns
         result = engine.result(call.seq, call.prompt_text)
         t0 = time.thread_time()
         job = builder._job(call, trace, result)
@@ -341,19 +400,20 @@ def main(argv: list[str] | None = None) -> None:
             settle_heap()  # as `llm-anatomy serve` does after start-up
             bare = statistics.median(bare_engine_steps(engine, b, args.prompt_tokens, args.output_tokens))
             with collector_while_serving():
-                served = server_steps(engine, b, args.prompt_tokens, args.output_tokens, Path(tmp) / f"run{b}")
+                served = core_steps(engine, b, args.prompt_tokens, args.output_tokens, Path(tmp) / f"run{b}")
                 http = http_steps(engine, b, args.prompt_tokens, args.output_tokens, Path(tmp) / f"http{b}")
             gc.unfreeze()  # this engine's heap back to the collector (the next batch size makes its own)
             rows.append({"batch": b, "bare_engine_ms": bare, **served, **http})
             print(json.dumps(rows[-1]), flush=True)
-    print("\nhost ms per decode step (median)\n| batch | bare engine | server engine thread (its CPU; mean) | "
-          "event loop (SSE lines) | event loop through HTTP (us a chunk) | anatomies: server process per step (per call) | builder process per step "
+    print("\nhost ms per decode step (median)\n| batch | bare engine | engine core (its CPU; mean) | of it, the step's "
+          "message pickled and written (KB) | HTTP process: reading a message | HTTP process through HTTP: event "
+          "loop (us a chunk); reading thread | anatomies: core per step (per call) | builder process per step "
           "(per call) |")
     for r in rows:
-        print(f"| {r['batch']} | {r['bare_engine_ms']:.2f} | {r['engine_thread_ms']:.2f} "
-              f"({r['engine_thread_cpu_ms']:.2f}; {r['engine_thread_cpu_mean_ms']:.2f}) | {r['event_loop_ms']:.2f} "
-              f"| {r['http_loop_ms']:.2f} ({r['http_us_per_chunk']:.1f}) "
-              f"| {r['anatomy_parent_ms_per_step']:.2f} ({r['anatomy_parent_ms_per_call']:.2f}) "
+        print(f"| {r['batch']} | {r['bare_engine_ms']:.2f} | {r['core_ms']:.2f} "
+              f"({r['core_cpu_ms']:.2f}; {r['core_cpu_mean_ms']:.2f}) | {r['ipc_send_ms']:.3f} ({r['ipc_kb']:.1f}) "
+              f"| {r['ipc_recv_ms']:.3f} | {r['http_loop_ms']:.2f} ({r['http_us_per_chunk']:.1f}); "
+              f"{r['http_reader_ms']:.2f} | {r['anatomy_parent_ms_per_step']:.2f} ({r['anatomy_parent_ms_per_call']:.2f}) "
               f"| {r['anatomy_ms_per_step']:.2f} ({r['anatomy_ms_per_call']:.1f}) |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

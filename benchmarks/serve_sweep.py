@@ -239,7 +239,7 @@ def render_levels(result: dict) -> str:
             f"{fixed(lv['itl_ms'][99], 2)} | {fixed(lv['server'].get('mean_batch'), 1)} | "
             f"{fixed(lv['joules_per_output_token'], 3)} | {lv['all_tokens']} |")
     build = result.get("anatomy_build_ms_mean")
-    lines += [f"anatomy build (off the engine thread): {fixed(build, 1)} ms per call on average; "
+    lines += [f"anatomy build (off the step loop): {fixed(build, 1)} ms per call on average; "
               f"{fixed(result.get('anatomies_dropped'), 0)} dropped unbuilt",
               f"after the sweep: KV cache usage {result.get('kv_cache_usage_after')}, running "
               f"{result.get('running_after')}, server exit status {result.get('server_exit')}"]

@@ -350,23 +350,26 @@ def add_serve(sub) -> None:
     srv.set_defaults(handler=cmd_serve)
 
 
-def _serve_preflight(args, model: str) -> None:
-    """What the config alone can refuse, before any weights load."""
+def _serve_preflight(args, model: str) -> str:
+    """What the config alone can refuse, before any weights load. Returns the model's name."""
     from .hub import resolve
     from .models.config import ModelConfig, parse_dtype
 
     if args.dtype is not None:
         parse_dtype(args.dtype)
-    context = ModelConfig.from_hf(resolve(model).config).max_position_embeddings
+    source = resolve(model)
+    context = ModelConfig.from_hf(source.config).max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
         raise AnatomyError(f"--max-model-len {args.max_model_len} is more than the context of {model} ({context} "
                            f"tokens); give at most {context} or leave it out")
+    return source.name
 
 
 def cmd_serve(args) -> int:
     from .progress import ProgressLine
-    from .server.app import serve
+    from .server.app import build_server, serve
     from .server.auth import api_keys
+    from .server.core import EngineSpec
 
     if args.model_name and args.model:
         raise AnatomyError("give the model once: as MODEL or as --model")
@@ -376,24 +379,29 @@ def cmd_serve(args) -> int:
                            + ("on the CPU" if device.type != "cuda" else "with --kv-cache-tokens")
                            + "; use --kv-cache-tokens")
     model = args.model_name or args.model or (GPU_DEFAULT_MODEL if device.type == "cuda" else CPU_DEFAULT_MODEL)
-    _serve_preflight(args, model)
+    name = _serve_preflight(args, model)
+    names = tuple(args.served_model_name) or (name,)
     keys = api_keys(args.api_key, args.api_key_file, os.environ.get("LLM_ANATOMY_API_KEY"))
+    # The engine is built (and the ceilings measured) in the engine core's own process: this one never touches
+    # the device (server/core.py).
+    spec = EngineSpec.of(model, device=args.device, dtype=args.dtype, weights=args.weights,
+                         kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         mixed_steps=args.mixed_steps, quantization=args.quantization,
+                         kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
     with ProgressLine() as progress:
-        engine = _load_engine(model, progress, device=device, dtype=args.dtype, weights=args.weights,
-                              kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
-                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                              mixed_steps=args.mixed_steps, quantization=args.quantization,
-                              kv_cache_dtype=args.kv_cache_dtype,
-                              gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
-        ceilings, _ = _ceilings(device, args.no_calibrate, progress)  # a busy calibration: load_or_calibrate warns
+        server, client = build_server(
+            spec, host=args.host, port=args.port, model_names=names, calibrate=not args.no_calibrate,
+            run_dir=args.run_dir, keep_anatomies=args.keep_anatomies, api_keys=keys,
+            max_body_bytes=args.max_body_bytes, device_why=why, telemetry_hz=None if args.no_telemetry else 50.0,
+            drain_timeout_s=args.drain_timeout, stream_interval=args.stream_interval, log_level=args.log_level,
+            progress=progress.stage)
     settle_heap()
-    names = tuple(args.served_model_name) or (engine.source.name,)
-    print(f"llm-anatomy: serving {names[0]} ({engine.weights.label}) on http://{args.host}:{args.port}/v1 "
-          f"- KV pool {engine.pool.capacity_tokens} tokens, anatomies in {args.run_dir}", file=sys.stderr, flush=True)
-    serve(engine, host=args.host, port=args.port, model_names=names, ceilings=ceilings, run_dir=args.run_dir,
-          keep_anatomies=args.keep_anatomies, api_keys=keys, max_body_bytes=args.max_body_bytes,
-          device_why=why, telemetry_hz=None if args.no_telemetry else 50.0, drain_timeout_s=args.drain_timeout,
-          stream_interval=args.stream_interval, log_level=args.log_level)
+    info = client.info
+    print(f"llm-anatomy: serving {names[0]} ({info.weights_label}) on http://{args.host}:{args.port}/v1 "
+          f"- KV pool {info.admission.capacity_tokens} tokens, anatomies in {args.run_dir}", file=sys.stderr,
+          flush=True)
+    serve(server)
     return 0
 
 

@@ -4,7 +4,6 @@ the Prometheus view, energy, the anatomy join and the reports."""
 import json
 import math
 import socket
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from llm_anatomy.bench.runner import BenchConfig, BenchRun, default_num_prompts
 from llm_anatomy.bench.scrape import ServerWatch, Snapshot, flavour, parse
 from llm_anatomy.errors import AnatomyError
 from llm_anatomy.report.html import plotly_js
+from llm_anatomy.server.core import Gauges
 from llm_anatomy.server.metrics import Metrics
 from llm_anatomy.tokenizer import Tokenizer
 from sample_anatomy import sample_anatomy
@@ -250,13 +250,12 @@ def test_sglang_view():
 
 def test_our_own_servers_metrics_are_read():
     """Guards against drift: the names llm_anatomy/server/metrics.py exports are the ones bench reads."""
-    engine = SimpleNamespace(scheduler=SimpleNamespace(running=[1, 2], waiting=[3]),
-                             pool=SimpleNamespace(num_free_blocks=30, num_blocks=40))
-    metrics = Metrics("m", engine)
+    metrics = Metrics("m")
+    metrics.live.gauges = Gauges(running=2, waiting=1, kv_usage=0.25, failed_steps=0, last_failure=None)
     before = Snapshot(parse(metrics.render().decode()), "llm_anatomy:", 0)
     assert flavour(before.samples) == "llm_anatomy:"
     metrics.finished("length", 16, 8)
-    a = sample_anatomy()  # what the server observes from a finished call's trace (Metrics.observe_trace)
+    a = sample_anatomy()  # what the server observes from a finished call's trace (metrics.call_stats, Metrics.observe)
     metrics.ttft.labels("m").observe(a.ttft_ms / 1e3)
     metrics.queue.labels("m").observe(a.batching.queue_ms / 1e3)
     after = Snapshot(parse(metrics.render().decode()), "llm_anatomy:", 1)

@@ -318,8 +318,8 @@ def test_host_overhead_measures_each_part_at_each_batch_size(scripts, tmp_path, 
                                    "--json", str(out)])
     rows = json.loads(out.read_text())
     assert [r["batch"] for r in rows] == [1, 3]
-    parts = ("bare_engine_ms", "engine_thread_ms", "engine_thread_cpu_ms", "engine_thread_cpu_mean_ms",
-             "event_loop_ms", "http_loop_ms", "http_us_per_chunk", "anatomy_ms_per_call", "anatomy_ms_per_step")
+    parts = ("bare_engine_ms", "core_ms", "core_cpu_ms", "core_cpu_mean_ms", "ipc_send_ms", "ipc_kb", "ipc_recv_ms",
+             "http_loop_ms", "http_us_per_chunk", "http_reader_ms", "anatomy_ms_per_call", "anatomy_ms_per_step")
     assert all(r[p] > 0 for r in rows for p in parts)
     # every stream written whole through HTTP: a chunk per token whose text is whole (4 at most), the finish
     # reason's, the usage, [DONE] and the body's end
@@ -369,7 +369,7 @@ def test_serve_sweep_table(scripts):
     assert lines[3] == ("| 512/256 | 64 | 5294 | 6451 | 653.9 / 1558.9 / 1574.3 | 8.56 / 12.34 / 12.34 | 14.20 | "
                         "50.0 | 0.116 | True |")
     assert lines[4].startswith("| 512/256 | 512 | 5294 | - |") and lines[4].endswith("| 14.20 | - | - | True |")
-    assert lines[5] == "anatomy build (off the engine thread): 15.4 ms per call on average; 12 dropped unbuilt"
+    assert lines[5] == "anatomy build (off the step loop): 15.4 ms per call on average; 12 dropped unbuilt"
     assert lines[7] == "llm-anatomy bench at 512 streams, 2000 prompts: exit 0, 14000 tok/s, errors 0"
     # the short table comes last: level, shape, engine and server tok/s, their ratio, errors, TTFT p50 / p99
     assert lines[-4] == "| level | shape | engine tok/s | server tok/s | ratio | errors | TTFT p50 / p99 ms |"

@@ -1,6 +1,7 @@
 """The anatomy builder's process: it builds what this process would, builds at once what someone asks for,
 drops the oldest unbuilt past its backlog (their metrics still counted), finishes what is queued at stop, and
-its death costs the calls it held, not the server."""
+its death costs the calls it held, not the server. What the builder sends is taken here as the HTTP process
+takes it (EngineClient._handle): into the store, the metrics and the calls' mailboxes."""
 
 import json
 import pickle
@@ -12,9 +13,12 @@ import torch
 
 from llm_anatomy.probe.call import Marks, build_anatomy
 from llm_anatomy.probe.clock import Clock
+from llm_anatomy.engine.sampling import SamplingParams
 from llm_anatomy.probe.recorder import Recorder
 from llm_anatomy.server.anatomies import AnatomyBuilder
 from llm_anatomy.server.anatomy_process import SERVED_NOTES, Builder
+from llm_anatomy.server.core import CoreCall
+from llm_anatomy.server.loop import Call, EngineClient
 from llm_anatomy.server.metrics import Metrics
 from llm_anatomy.server.store import AnatomyStore
 from test_server import CEILINGS
@@ -41,9 +45,7 @@ class NowLoop:
 
 def finished_calls(engine, count: int):
     """`count` calls served together, joining one every other step (so that steps are shared, batches change
-    and prefills stall the others): [(call, trace, result)]."""
-    from llm_anatomy.server.loop import Call
-
+    and prefills stall the others): [(call, trace, result)], each call as the core holds it."""
     recorder = Recorder(Clock(engine.device))
     engine.observers.append(recorder)
     t0 = time.perf_counter_ns()
@@ -62,14 +64,29 @@ def finished_calls(engine, count: int):
     out = []
     for rid, trace in traces.items():
         request = SimpleNamespace(want_anatomy=False, shown={"prompt_token_ids": [5]}, chat=False)
-        call = Call(rid, request, Marks(t0, t0, t0, t0, trace.finished_ns), [5], None,
-                    SimpleNamespace(temperature=0.0, max_tokens=3), NowLoop())
+        call = CoreCall(rid, request, Marks(t0, t0, t0, t0, trace.finished_ns), [5], None,
+                        SamplingParams(temperature=0.0, max_tokens=3))
         out.append((call, trace, engine.result(seqs[rid])))
     return out
 
 
-def builder_for(engine, store, **kw) -> AnatomyBuilder:
-    return AnatomyBuilder(engine, CEILINGS, store, Metrics("m", engine), None, "off", "test", **kw)
+class Receiving(EngineClient):
+    """The HTTP process's side of what the builder sends, without a core: `calls` are the HTTP side's calls (by the
+    core's calls' ids)."""
+
+    def __init__(self, store, core_calls):
+        super().__init__(store, Metrics("m"))
+        self.calls = {c.id: Call(c.id, c.request, c.marks, [5], None, c.params) for c, _, _ in core_calls}
+        self._calls = dict(self.calls)
+        self._event_loop = NowLoop()
+
+    def __call__(self, message) -> None:
+        self._handle(message)
+
+
+def builder_for(engine, store, calls=(), **kw) -> tuple[AnatomyBuilder, Receiving]:
+    http = Receiving(store, calls)
+    return AnatomyBuilder(engine, CEILINGS, http, None, "off", "test", **kw), http
 
 
 def wait_for(condition, timeout=60.0):
@@ -82,7 +99,7 @@ def wait_for(condition, timeout=60.0):
 def test_the_builders_process_builds_the_anatomy_this_process_would(engine, tmp_path):
     """What travels (step snapshots once, each call's trace by index, pickled) rebuilds every field."""
     calls = finished_calls(engine, 4)
-    builder = builder_for(engine, AnatomyStore(tmp_path))
+    builder, _ = builder_for(engine, AnatomyStore(tmp_path))
     far = Builder(pickle.loads(pickle.dumps(builder.setup)))
     sent: set[int] = set()
     shared_facts = []
@@ -108,7 +125,7 @@ def test_the_builders_process_builds_the_anatomy_this_process_would(engine, tmp_
 
 def test_a_job_naming_a_step_never_sent_is_an_error_summary_and_the_builder_goes_on(engine, tmp_path):
     calls = finished_calls(engine, 2)
-    builder = builder_for(engine, AnatomyStore(tmp_path))
+    builder, _ = builder_for(engine, AnatomyStore(tmp_path))
     far = Builder(builder.setup)
     call, trace, result = calls[0]
     broken = far.take({}, builder._job(call, trace, result), 0)  # its steps never sent
@@ -123,18 +140,18 @@ def test_a_job_naming_a_step_never_sent_is_an_error_summary_and_the_builder_goes
 def test_backlog_drops_the_oldest_wanted_goes_first_stop_builds_the_rest(engine, tmp_path):
     calls = finished_calls(engine, 5)
     store = AnatomyStore(tmp_path, keep=10)
-    builder = builder_for(engine, store, backlog=3, in_flight=1)
+    builder, http = builder_for(engine, store, calls, backlog=3, in_flight=1)
     for item in calls:
         builder.add(*item)  # not started: they wait, and the two oldest are pushed out
-    assert [c.anatomy_built for c, _, _ in calls] == [True, True, False, False, False]
-    assert "too busy" in calls[0][0].anatomy["error"]
-    assert builder.metrics.anatomies_dropped.labels("m")._value.get() == 2
+    assert [http.calls[c.id].anatomy_built for c, _, _ in calls] == [True, True, False, False, False]
+    assert "too busy" in http.calls["call00"].anatomy["error"]
+    assert http.metrics.anatomies_dropped.labels("m")._value.get() == 2
     builder.want("call04")
     builder.start()
     builder.stop()
     assert store.ids()[0] == "call04" and sorted(store.ids()) == ["call02", "call03", "call04"]
-    assert all(c.anatomy_built and "error" not in c.anatomy for c, _, _ in calls[2:])
-    assert builder.metrics.generation_tokens.labels("m")._value.get() == sum(3 + 2 * i for i in range(5))
+    assert all(http.calls[c.id].anatomy_built and "error" not in http.calls[c.id].anatomy for c, _, _ in calls[2:])
+    assert http.metrics.generation_tokens.labels("m")._value.get() == sum(3 + 2 * i for i in range(5))
     assert builder._child is None and builder._sender.is_alive() is False and builder._receiver.is_alive() is False
     store.close()
 
@@ -142,21 +159,22 @@ def test_backlog_drops_the_oldest_wanted_goes_first_stop_builds_the_rest(engine,
 def test_the_builders_process_dying_loses_its_calls_alone(engine, tmp_path):
     calls = finished_calls(engine, 4)
     store = AnatomyStore(tmp_path, keep=10)
-    builder = builder_for(engine, store)
+    builder, http = builder_for(engine, store, calls)
+    built = lambda i: http.calls[f"call{i:02d}"]  # noqa: E731
     builder.start()
     try:
         first = builder._child.process
         first.kill()
         for item in calls[:3]:
             builder.add(*item)
-        wait_for(lambda: builder.restarts == 1 and all(c.anatomy_built for c, _, _ in calls[:3]))
+        wait_for(lambda: builder.restarts == 1 and all(built(i).anatomy_built for i in range(3)))
         assert not first.is_alive()
-        for call, _, _ in calls[:3]:  # lost with the process, or built by the new one
-            assert "died" in call.anatomy.get("error", "died") or store.get(call.id, wait_s=0) is not None
+        for i in range(3):  # lost with the process, or built by the new one
+            assert "died" in built(i).anatomy.get("error", "died") or store.get(built(i).id, wait_s=0) is not None
         builder.add(*calls[3])
-        wait_for(lambda: calls[3][0].anatomy_built)
-        assert "error" not in calls[3][0].anatomy and store.get("call03", wait_s=0) is not None
-        assert builder.metrics.anatomy_builder_restarts.labels("m")._value.get() == 1
+        wait_for(lambda: built(3).anatomy_built)
+        assert "error" not in built(3).anatomy and store.get("call03", wait_s=0) is not None
+        assert http.metrics.anatomy_builder_restarts.labels("m")._value.get() == 1
     finally:
         builder.stop()
         store.close()
@@ -171,7 +189,7 @@ def test_a_signal_to_the_servers_process_group_leaves_the_builders_process_alone
 
     calls = finished_calls(engine, 2)
     store = AnatomyStore(tmp_path, keep=10)
-    builder = builder_for(engine, store)
+    builder, http = builder_for(engine, store, calls)
     builder.start()
     try:
         child = builder._child.process
@@ -179,9 +197,9 @@ def test_a_signal_to_the_servers_process_group_leaves_the_builders_process_alone
             os.kill(child.pid, sig)
         for item in calls:
             builder.add(*item)
-        wait_for(lambda: all(c.anatomy_built for c, _, _ in calls))
+        wait_for(lambda: all(c.anatomy_built for c in http.calls.values()))
         assert child.is_alive() and builder.restarts == 0
-        assert all("error" not in c.anatomy for c, _, _ in calls)
+        assert all("error" not in c.anatomy for c in http.calls.values())
     finally:
         builder.stop()
         store.close()

@@ -241,7 +241,7 @@ def test_models_reports_the_length_the_server_accepts(checkpoint, tmp_path):
 
         req = completion_request(CompletionRequest.model_validate({**COMPLETION, "prompt": ids,
                                                                    "max_tokens": accepted - len(ids)}))
-        assert request(req, time.perf_counter_ns(), None).params.max_tokens == accepted - len(ids)
+        assert request(req, time.perf_counter_ns()).params.max_tokens == accepted - len(ids)
     finally:
         running.stop()
 

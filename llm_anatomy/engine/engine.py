@@ -88,6 +88,59 @@ class _Pending:
         return self.host_tokens.tolist()
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What deciding whether a request can run reads of an engine (its generation defaults, vocabulary, context and
+    KV pool), none of which changes once it is built: picklable, so that a server's front half in another process
+    fills in and checks requests exactly as `add_request` will."""
+
+    defaults: GenerationDefaults
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def sampling_params(self, **kwargs) -> SamplingParams:
+        """SamplingParams with the model's generation defaults for every field left as None."""
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            if kwargs.get(name) is None:
+                kwargs[name] = getattr(self.defaults, name)
+        if kwargs.get("max_tokens") is None:
+            kwargs.pop("max_tokens", None)
+        kwargs["stop"] = tuple([kwargs["stop"]] if isinstance(kwargs.get("stop"), str) else kwargs.get("stop") or ())
+        kwargs["stop_token_ids"] = tuple(kwargs.get("stop_token_ids") or ())
+        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The checks `add_request` makes, without queueing anything (a server runs them in its handlers)."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = self.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token {bad[0]!r} is outside the model's vocabulary (0..{vocab - 1})",
+                               param="prompt")
+        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise RequestError(f"logit_bias names token {bad_bias[0]}, outside the vocabulary (0..{vocab - 1})",
+                               param="logit_bias")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+                param="max_tokens" if len(ids) < self.max_model_len else "prompt")
+        if -(-(len(ids) + params.max_tokens) // self.block_size) > self.num_blocks:
+            raise RequestError(
+                f"the prompt plus max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the pool holds "
+                f"{self.capacity_tokens}; lower max_tokens or give the KV cache more memory", param="max_tokens")
+        return ids
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -144,6 +197,7 @@ class Engine:
         progress("sizing the KV cache")
         blocks = self._kv_blocks(cfg.kv_cache_tokens, cfg.gpu_memory_utilization)
         self.pool = KVCachePool(config, blocks, cfg.block_size, self.kv_dtype, device)
+        self.admission = Admission(defaults, config.vocab_size, self.max_model_len, cfg.block_size, blocks)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, self.max_num_batched_tokens, cfg.mixed_steps)
         self.graphs: GraphRunner | None = None
         self.tile_tuning: TileTuning | None = None
@@ -286,14 +340,7 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------------
     def sampling_params(self, **kwargs) -> SamplingParams:
         """SamplingParams with the model's generation defaults for every field left as None."""
-        for name in ("temperature", "top_p", "top_k", "min_p"):
-            if kwargs.get(name) is None:
-                kwargs[name] = getattr(self.defaults, name)
-        if kwargs.get("max_tokens") is None:
-            kwargs.pop("max_tokens", None)
-        kwargs["stop"] = tuple([kwargs["stop"]] if isinstance(kwargs.get("stop"), str) else kwargs.get("stop") or ())
-        kwargs["stop_token_ids"] = tuple(kwargs.get("stop_token_ids") or ())
-        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+        return self.admission.sampling_params(**kwargs)
 
     def render_prompt(self, prompt_token_ids=None, prompt: str | None = None, messages=None, *,
                       enable_thinking: bool = True, tools=None) -> tuple[list[int], str | None]:
@@ -304,28 +351,7 @@ class Engine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The checks `add_request` makes, without queueing anything (a server runs them in its handlers)."""
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise RequestError("the prompt is empty", param="prompt")
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token {bad[0]!r} is outside the model's vocabulary (0..{vocab - 1})",
-                               param="prompt")
-        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad_bias:
-            raise RequestError(f"logit_bias names token {bad_bias[0]}, outside the vocabulary (0..{vocab - 1})",
-                               param="logit_bias")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
-                param="max_tokens" if len(ids) < self.max_model_len else "prompt")
-        if self.pool.blocks_for(len(ids) + params.max_tokens) > self.pool.num_blocks:
-            raise RequestError(
-                f"the prompt plus max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the pool holds "
-                f"{self.pool.capacity_tokens}; lower max_tokens or give the KV cache more memory", param="max_tokens")
-        return ids
+        return self.admission.check_request(prompt_token_ids, params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> Sequence:

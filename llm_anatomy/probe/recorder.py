@@ -210,7 +210,7 @@ class Recorder:
 
     With lookahead the next step is launched before the current one completes, so open steps are kept by
     their index. A request's trace is complete once it has finished and the step that finished it has been
-    seen; `take_finished` hands such traces over (the server builds their anatomies off the engine thread).
+    seen; `take_finished` hands such traces over (the server builds their anatomies away from its step loop).
     """
 
     def __init__(self, clock: Clock):

@@ -1,19 +1,21 @@
-"""The anatomy builder: finished calls become anatomies in a process of their own, never holding the server's
-interpreter lock.
+"""The anatomy builder: finished calls become anatomies in a process of their own, never holding the engine
+core's interpreter lock.
 
-Each finished call's latencies go to the metrics at once (a few subtractions on its trace). Its full Anatomy
-costs milliseconds of Python: at hundreds of requests a second, built in the server's process it would take
-the interpreter lock the engine thread and the event loop need. So it is built in a child process
-(anatomy_process.py), started with "spawn" (it never touches the device): this process sends it what the build
-reads (each step's facts once, shared by the calls in it; per call its place in those steps and its own facts)
-and gets back the JSON line, the summary and the energy, which the store and the metrics take here. A sending
-thread and a receiving thread here mostly wait (on the pipe, on the telemetry's next update).
+It lives beside the engine, in the engine core (core.py), and reports over the core's pipe to the HTTP process,
+which keeps the store and the metrics: each finished call's latencies at once (a few subtractions on its trace:
+("finished", [CallStats])), then its anatomy (("anatomy", id, summary, json, joules, seconds, dropped)). The full
+Anatomy costs milliseconds of Python: at hundreds of requests a second, built beside the step loop it would take
+the interpreter lock the loop needs. So it is built in a child process (anatomy_process.py), started with
+"spawn" (it never touches the device): the core's process sends it what the build reads (each step's facts
+once, shared by the calls in it; per call its place in those steps and its own facts) and gets back the JSON
+line, the summary and the energy. A sending thread and a receiving thread mostly wait (on the pipe, on the
+telemetry's next update).
 
 At most `in_flight` calls are in the child at once; the others wait here, oldest first (the newest `backlog`
-are kept: older unbuilt ones are dropped and counted). A call whose anatomy someone asks for (`anatomy: true`,
-or GET /v1/anatomy/{id}) is sent next, whatever waits. If the child dies, the calls it held get an error
-summary, the metrics count a restart, and a new child is started. At stop, everything waiting is built, then
-the child exits.
+are kept: older unbuilt ones are dropped, and said to be). A call whose anatomy someone asks for (`anatomy:
+true`, or GET /v1/anatomy/{id}) is sent next, whatever waits. If the child dies, the calls it held get an error
+summary, a restart is reported (("restarted",)), and a new child is started. At stop, everything waiting is
+built, then the child exits.
 """
 
 from __future__ import annotations
@@ -33,11 +35,10 @@ from ..probe.recorder import RequestTrace, TraceFacts
 from ..probe.telemetry import TelemetryStream
 from . import anatomy_process
 from .anatomy_process import Built, Job, Setup
-from .metrics import Metrics
-from .store import AnatomyStore
+from .metrics import call_stats
 
 if TYPE_CHECKING:
-    from .loop import Call
+    from .core import CoreCall as Call
 
 log = logging.getLogger("llm_anatomy.server")
 
@@ -73,15 +74,15 @@ class Child:
 
 
 class AnatomyBuilder:
-    def __init__(self, engine, ceilings: Ceilings, store: AnatomyStore, metrics: Metrics,
-                 telemetry: TelemetryStream | None, telemetry_note: str, device_why: str,
-                 backlog: int | None = None, in_flight: int = 2):
+    def __init__(self, engine, ceilings: Ceilings, send, telemetry: TelemetryStream | None, telemetry_note: str,
+                 device_why: str, backlog: int = 1000, in_flight: int = 2):
+        """`send(message)`: to the HTTP process (thread-safe: the core's Sender)."""
         if not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"in_flight must be an integer >= 1, got {in_flight!r}")
-        self.engine, self.store, self.metrics = engine, store, metrics
+        self.engine, self.send = engine, send
         self.setup = Setup(EngineFacts.of(engine), ceilings, device_why)
         self.telemetry, self.telemetry_note = telemetry, telemetry_note
-        self.backlog = backlog or store.keep
+        self.backlog = backlog
         self.in_flight = in_flight
         self._waiting: OrderedDict[str, tuple] = OrderedDict()  # id -> (call, trace, result), oldest first
         self._wanted: set[str] = set()
@@ -113,8 +114,9 @@ class AnatomyBuilder:
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
-        self._sender.join(timeout)
-        self._receiver.join(timeout)
+        for thread in (self._sender, self._receiver):
+            if thread.ident is not None:  # started
+                thread.join(timeout)
         with self._lock:
             child, self._child = self._child, None
         if child is not None:
@@ -122,9 +124,8 @@ class AnatomyBuilder:
 
     # ---- from other threads ---------------------------------------------------------------------------
     def add(self, call: "Call", trace: RequestTrace, result, live_from: int | None = None) -> None:
-        """A finished call (engine thread): its metrics now, its anatomy when the child can take it. `live_from`:
+        """A finished call (the step loop): its metrics now, its anatomy when the child can take it. `live_from`:
         the oldest step the calls still running may come to need (the child forgets those before it)."""
-        self.store.expect(call.id, call.owner)
         with self._lock:
             self._live_from = live_from
             item = (call, trace, result)
@@ -181,8 +182,8 @@ class AnatomyBuilder:
             fresh, item, stop = self._next()
             if stop:
                 break
-            for call, trace, result in fresh:
-                self._metrics(call, trace, result)
+            if fresh:
+                self._metrics(fresh)
             if item is not None:
                 self._send(*item)
         with self._lock:  # everything is in the child: let it finish and exit
@@ -195,17 +196,17 @@ class AnatomyBuilder:
             except OSError:  # it died meanwhile: the receiving thread reports it
                 pass
 
-    def _metrics(self, call: "Call", trace: RequestTrace, result) -> None:
-        try:
-            self.metrics.finished(result.finish_reason, len(result.prompt_token_ids), len(result.output_token_ids))
-            if trace.steps:
-                self.metrics.observe_trace(trace, call.marks, len(result.output_token_ids))
-        except Exception:  # noqa: BLE001 - a bad record must not take the server down
-            log.exception("the metrics of %s could not be recorded", call.id)
+    def _metrics(self, fresh: list[tuple]) -> None:
+        stats = []
+        for call, trace, result in fresh:
+            try:
+                stats.append(call_stats(call.id, trace, call.marks, result))
+            except Exception:  # noqa: BLE001 - a bad record must not take the server down
+                log.exception("the metrics of %s could not be recorded", call.id)
+        self._emit(("finished", stats))
 
     def _send(self, call: "Call", trace: RequestTrace, result) -> None:
         if not trace.steps:  # aborted before its prefill: nothing ran for it
-            self.store.give_up(call.id)
             self._finish(call, None)
             return
         t0 = time.perf_counter()
@@ -281,32 +282,22 @@ class AnatomyBuilder:
                 self._take(call, built, waited)
 
     def _take(self, call: "Call", built: Built, waited: float) -> None:
-        try:
-            if built.json is None:
-                log.error("building the anatomy of %s failed:\n%s", call.id, built.failure)
-                self.store.give_up(call.id)
-            else:
-                self.metrics.anatomy_build.labels(self.metrics.model).observe(waited + built.seconds)
-                self.store.add_json(call.id, built.json, call.owner)
-                self.metrics.observe_joules(built.joules)
-            self._finish(call, built.summary)
-        except Exception as e:  # noqa: BLE001 - a bad record must not take the server down
-            log.exception("storing the anatomy of %s failed", call.id)
-            self._failed(call, f"the anatomy could not be stored: {type(e).__name__}: {e}")
+        if built.json is None:
+            log.error("building the anatomy of %s failed:\n%s", call.id, built.failure)
+        self._finish(call, built.summary, built.json, built.joules, waited + built.seconds)
 
     def _child_ended(self, child: Child) -> bool:
         """The child's pipe closed: it exited after a stop, or died. Whether to go on receiving (from a new one)."""
         child.process.join(5)
         with self._lock:
             done = self._stopping and not self._waiting
-        fresh = None if done else Child(self.setup)  # started outside the lock: the engine thread takes it
+        fresh = None if done else Child(self.setup)  # started outside the lock: the step loop takes it
         with self._lock:
             lost = list(self._building.values())
             self._building.clear()
             self._child = fresh
             if fresh is not None:
                 self.restarts += 1
-                self.metrics.anatomy_builder_restarts.labels(self.metrics.model).inc()
             self._lock.notify_all()
         child.outbox.close()  # its inbox is the sending thread's: closed there (a send may be under way)
         with self._lock:
@@ -315,24 +306,26 @@ class AnatomyBuilder:
             return False
         why = f"the anatomy builder's process died (exit code {child.process.exitcode})"
         log.error("%s with %d anatomies in it; a new one was started", why, len(lost))
+        self._emit(("restarted",))
         for call, _ in lost:
-            self.store.give_up(call.id)
             self._finish(call, {"id": call.id, "error": f"the anatomy could not be built: {why}"})
         return True
 
     def _failed(self, call: "Call", error: str) -> None:
-        self.store.give_up(call.id)
         self._finish(call, {"id": call.id, "error": error})
 
-    @staticmethod
-    def _finish(call: "Call", summary: dict | None) -> None:
-        call.anatomy, call.anatomy_built = summary, True
-        call.post(("anatomy", summary))
+    def _finish(self, call: "Call", summary: dict | None, json: bytes | None = None, joules: float | None = None,
+                seconds: float | None = None, dropped: bool = False) -> None:
+        """The call's anatomy is done with: built (`json`), or not (`summary` says why; None: nothing ran)."""
+        self._emit(("anatomy", call.id, summary, json, joules, seconds, dropped))
 
     def _give_up(self, call: "Call", why: str) -> None:
         """An unbuilt anatomy pushed out of the backlog: its metrics still count."""
-        self.metrics.anatomies_dropped.labels(self.metrics.model).inc()
-        self.store.give_up(call.id)
-        call.anatomy, call.anatomy_built = {"id": call.id, "error": f"the anatomy was {why}: the server was too "
-                                                                   f"busy to build it"}, True
-        call.post(("anatomy", call.anatomy))
+        self._finish(call, {"id": call.id, "error": f"the anatomy was {why}: the server was too busy to build it"},
+                     dropped=True)
+
+    def _emit(self, message) -> None:
+        try:
+            self.send(message)
+        except OSError:  # the HTTP process is gone: nobody to tell
+            pass

@@ -1,7 +1,8 @@
-"""The anatomy builder's process: finished calls' anatomies are built here, away from the server's interpreter lock.
+"""The anatomy builder's process: finished calls' anatomies are built here, away from the step loop's interpreter
+lock.
 
-It is started with multiprocessing's "spawn" (a fresh interpreter: the server's process holds the device, this
-one never touches it) and receives, in order on one pipe:
+It is started by the engine core's process (core.py) with multiprocessing's "spawn" (a fresh interpreter: the
+engine's process holds the device, this one never touches it) and receives, in order on one pipe:
   1. once, the Setup: the engine's facts (probe/call.py EngineFacts), the ceilings, why this device (it answers
      "ready");
   2. per call, a Job: the call's trace by step index (probe/recorder.py TraceFacts), what it asked, its result,
@@ -10,7 +11,7 @@ one never touches it) and receives, in order on one pipe:
      index below which no later call will need a step (those are forgotten);
   3. None: everything sent has been built; exit.
 For each Job it sends back a Built: the anatomy's JSON line, its summary, its energy for the metrics, or why it
-could not be built. Nothing here is shared with the server's process but the two pipes.
+could not be built. Nothing here is shared with the engine's process but the two pipes.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ class Builder:
 
 def main(inbox, outbox) -> None:
     """The process's body: Jobs in, Builts out, until None (or the server's end of the pipe closes)."""
-    # The server ends this process through the pipe, once what it queued is built: a Ctrl-C or a SIGTERM sent to
-    # the server's whole process group must not end it first (the calls in it would lose their anatomies, and
-    # the server would start another while it drains). A server that dies closes the pipe, which ends it too.
+    # The engine's process ends this one through the pipe, once what it queued is built: a Ctrl-C or a SIGTERM sent
+    # to the server's whole process group must not end it first (the calls in it would lose their anatomies, and
+    # another would be started while the server drains). A parent that dies closes the pipe, which ends it too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:

@@ -63,7 +63,7 @@ async def stored(ctx: ServerContext, request: Request, anatomy_id: str) -> str:
     known, owner = store.owner_of(anatomy_id)
     text = None
     if known and (not ctx.keys.required or owner == request.scope.get(OWNER)):
-        ctx.loop.builder.want(anatomy_id)
+        ctx.loop.want(anatomy_id)
         text = await asyncio.to_thread(store.get, anatomy_id)
     if text is None:
         raise APIError(404, f"no anatomy {anatomy_id[:64]!r} for this key: unknown id, made with another key, or "

@@ -1,4 +1,5 @@
-"""The HTTP side: an OpenAI-compatible FastAPI app over the engine loop, and `serve` to run it with uvicorn.
+"""The HTTP side: an OpenAI-compatible FastAPI app over the engine core (core.py, in a process of its own, reached
+through loop.py's EngineClient), and `serve` to run it with uvicorn.
 
 Routes (docs/server.md has the details): completions.py (POST /v1/chat/completions, /v1/completions),
 anatomy_routes.py (GET /v1/anatomy, /v1/anatomy/{id}, /anatomy/{id}), ops.py (GET /v1/models, /health,
@@ -7,6 +8,7 @@ anatomy_routes.py (GET /v1/anatomy, /v1/anatomy/{id}, /anatomy/{id}), ops.py (GE
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
 from contextlib import asynccontextmanager, contextmanager
@@ -16,21 +18,27 @@ import uvicorn
 from fastapi import FastAPI
 
 from .. import __version__
+from ..anatomy import Ceilings
+from ..engine.engine import Engine
 from . import anatomy_routes, completions, ops
 from .auth import Guard, Keys, load_salt
 from .context import Drain, ServeOptions, ServerContext
+from .core import CoreOptions, EngineSpec
 from .errors import install_error_handlers
-from .loop import EngineLoop
+from .loop import EngineClient
+from .metrics import Metrics
+from .store import AnatomyStore
 
 KEEP_ALIVE_S = 75  # longer than clients' idle pools keep a connection (httpx: 5 s), so the client closes it first
 SHUTDOWN_GRACE_S = 5  # after a drain, for responses still being written
 SERVING_GC_THRESHOLD = 20_000  # allocations between the collector's young passes while serving (Python's: 700)
+SWITCH_INTERVAL_S = 0.001  # the interpreter's switch interval while serving, in both processes (Python's: 0.005)
 
 
 def create_app(ctx: ServerContext, on_shutdown=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        ctx.loop.start()
+        ctx.loop.attach(asyncio.get_running_loop())
         yield
         ctx.loop.stop()  # the drain has let the in-flight requests finish by now
         if on_shutdown is not None:
@@ -67,45 +75,46 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def build_server(engine, *, host: str, port: int, model_names: tuple[str, ...], ceilings, run_dir,
-                 keep_anatomies: int = 1000, api_keys: tuple[str, ...] = (), api_key: str | None = None,
-                 max_body_bytes: int = 4 << 20, device_why: str = "", telemetry_hz: float | None = 50.0,
-                 drain_timeout_s: float = 120.0, stream_interval: int = 1,
-                 log_level: str = "warning") -> tuple[DrainingServer, EngineLoop]:
-    """The uvicorn server and its engine loop (started and stopped by the app's lifespan). `api_keys`: the
-    accepted keys (`api_key`, one more); none: no key needed. `stream_interval`: tokens per streamed chunk
-    at most (loop.py)."""
-    from ..probe.telemetry import TelemetryStream, nvml_status
-    from .anatomies import AnatomyBuilder
-    from .metrics import Metrics
-    from .store import AnatomyStore
-
+def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_names: tuple[str, ...], run_dir,
+                 ceilings: Ceilings | None = None, calibrate: bool = True, keep_anatomies: int = 1000,
+                 api_keys: tuple[str, ...] = (), api_key: str | None = None, max_body_bytes: int = 4 << 20,
+                 device_why: str = "", telemetry_hz: float | None = 50.0, drain_timeout_s: float = 120.0,
+                 stream_interval: int = 1, log_level: str = "warning", progress=None,
+                 switch_interval_s: float | None = SWITCH_INTERVAL_S,
+                 gc_threshold: int | None = SERVING_GC_THRESHOLD) -> tuple[DrainingServer, EngineClient]:
+    """The uvicorn server and its engine client, the engine core started and ready (AnatomyError if it could not
+    start). `engine`: an EngineSpec runs the core in a process of its own (what `llm-anatomy serve` does; its
+    load stages go to `progress`, and `switch_interval_s` and `gc_threshold` hold there as in `serve`); an
+    Engine already built in this process runs it on a thread here (tests that reach into the engine).
+    `ceilings`: None measures them (or reads the cache) where the engine runs, or takes the datasheet's without
+    `calibrate`. `api_keys`: the accepted keys (`api_key`, one more); none: no key needed. `stream_interval`:
+    tokens per streamed chunk at most (core.py)."""
+    if not isinstance(engine, (EngineSpec, Engine)):
+        raise TypeError(f"engine must be an EngineSpec or an Engine, got {type(engine).__name__}")
     keys = tuple(api_keys) + ((api_key,) if api_key else ())
     run_dir = Path(run_dir).expanduser()
-    available, note = nvml_status(engine.device) if telemetry_hz else (False, "telemetry turned off")
-    telemetry = TelemetryStream(engine.device, telemetry_hz) if available else None
+    options = CoreOptions(ceilings, calibrate, device_why, telemetry_hz, keep_anatomies, stream_interval)
     store = AnatomyStore(run_dir, keep_anatomies)
-    builder = AnatomyBuilder(engine, ceilings, store, Metrics(model_names[0], engine, telemetry), telemetry, note,
-                             device_why)
-    loop = EngineLoop(engine, builder, stream_interval)
-    if telemetry is not None:
-        telemetry.start()
-
-    def close() -> None:
-        if telemetry is not None:
-            telemetry.stop()
+    metrics = Metrics(model_names[0])
+    if isinstance(engine, EngineSpec):
+        client = EngineClient.spawn(engine, options, store, metrics, switch_interval_s, gc_threshold)
+    else:
+        client = EngineClient.in_thread(engine, options, store, metrics)
+    try:
+        info = client.start(progress)
+    except BaseException:
         store.close()
-
+        raise
     drain = Drain(drain_timeout_s)
     # Every response says which weights wrote it: synthetic ones write text that is not the model's.
-    ctx = ServerContext(loop, ServeOptions(tuple(model_names), max_body_bytes),
-                        Keys(keys, load_salt(run_dir)), drain, f"llm-anatomy-{__version__}-{engine.weights.kind}")
-    app = create_app(ctx, on_shutdown=close)
+    ctx = ServerContext(client, ServeOptions(tuple(model_names), max_body_bytes),
+                        Keys(keys, load_salt(run_dir)), drain, f"llm-anatomy-{__version__}-{info.weights_kind}")
+    app = create_app(ctx, on_shutdown=store.close)
     # No limit_concurrency: past the engine's max_num_seqs requests queue in the scheduler, they are never
     # refused; the listen backlog (uvicorn's 2048) holds bursts of connections.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    return DrainingServer(config, drain), loop
+    return DrainingServer(config, drain), client
 
 
 @contextmanager
@@ -113,8 +122,8 @@ def collector_while_serving(threshold: int | None = SERVING_GC_THRESHOLD):
     """The cyclic collector's young passes every `threshold` allocations in this block (None: as they are). Each
     decode step allocates thousands of objects that live for a while (its streams' progress, its calls' step
     records, the futures and messages of hundreds of chunks): with Python's 700, a young pass, and every tenth an
-    older one, runs every step or two, each re-walking the objects still alive, in the engine thread and the event
-    loop alike."""
+    older one, runs every step or two, each re-walking the objects still alive, in the step loop and the event loop
+    alike (each in its own process)."""
     before = gc.get_threshold()
     if threshold is not None:
         gc.set_threshold(threshold, *before[1:])
@@ -124,17 +133,16 @@ def collector_while_serving(threshold: int | None = SERVING_GC_THRESHOLD):
         gc.set_threshold(*before)
 
 
-def serve(engine, sockets=None, switch_interval_s: float | None = 0.001,
-          gc_threshold: int | None = SERVING_GC_THRESHOLD, **options) -> None:
-    """Run the server until SIGINT or SIGTERM: the drain lets in-flight requests finish (up to
-    `drain_timeout_s`), then the engine loop stops and the files close.
+def serve(server: DrainingServer, sockets=None, switch_interval_s: float | None = SWITCH_INTERVAL_S,
+          gc_threshold: int | None = SERVING_GC_THRESHOLD) -> None:
+    """Run a built server (build_server) until SIGINT or SIGTERM: the drain lets in-flight requests finish (up to
+    `drain_timeout_s`), then the engine core stops and the files close.
 
-    `switch_interval_s`: this process's interpreter switch interval while it serves. The engine thread waits
-    for the device with the interpreter lock released; taking it back, it waits for the thread holding it (the
-    event loop writing hundreds of streams, the anatomy builder) to let go, which Python forces only after the
-    switch interval (5 ms by default, a sizeable part of a decode step). None keeps Python's default.
-    `gc_threshold`: the collector's young threshold while it serves (collector_while_serving)."""
-    server, _ = build_server(engine, **options)
+    `switch_interval_s`: this process's interpreter switch interval while it serves. The event loop, the engine
+    client's reading thread (which waits on the pipe with the interpreter lock released) and the workers that
+    tokenize take turns; taking the lock back, a thread waits for the one holding it to let go, which Python
+    forces only after the switch interval (5 ms by default, a sizeable part of a decode step). None keeps
+    Python's default. `gc_threshold`: the collector's young threshold while it serves (collector_while_serving)."""
     before = sys.getswitchinterval()
     if switch_interval_s is not None:
         sys.setswitchinterval(switch_interval_s)

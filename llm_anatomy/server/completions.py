@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions and POST /v1/completions: one call per choice on the engine loop, answered whole
+"""POST /v1/chat/completions and POST /v1/completions: one call per choice on the engine core, answered whole
 or streamed as server-sent events. Every response carries `x-anatomy-id`."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def prepare(ctx: ServerContext, raw: bytes, chat: bool, received_ns: int, loop, owner: str | None) -> Call:
+def prepare(ctx: ServerContext, raw: bytes, chat: bool, received_ns: int, owner: str | None) -> Call:
     """Parse, check, template and tokenize (in a worker thread: a large body must not hold up the streams)."""
     body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
     req = dataclasses.replace(chat_request(body) if chat else completion_request(body), fingerprint=ctx.fingerprint)
@@ -53,7 +53,7 @@ def prepare(ctx: ServerContext, raw: bytes, chat: bool, received_ns: int, loop, 
         raise APIError(404, f"the model {req.model[:200]!r} does not exist here; this server serves "
                             f"{ctx.options.model_names[0]!r} (GET /v1/models)", param="model", code="model_not_found")
     ctx.note_ignored(req.shown.get("ignored_fields", []))
-    return ctx.loop.prepare(req, received_ns, loop, owner)
+    return ctx.loop.prepare(req, received_ns, owner)
 
 
 async def completion(ctx: ServerContext, request: Request, chat: bool) -> Response:
@@ -62,8 +62,7 @@ async def completion(ctx: ServerContext, request: Request, chat: bool) -> Respon
         raise unavailable("the server is draining: it finishes the requests in flight and takes no new ones",
                           code="draining")
     raw = await read_body(request, ctx.options.max_body_bytes)
-    first = await asyncio.to_thread(prepare, ctx, raw, chat, received, asyncio.get_running_loop(),
-                                    request.scope.get(OWNER))
+    first = await asyncio.to_thread(prepare, ctx, raw, chat, received, request.scope.get(OWNER))
     calls = [first] + [ctx.loop.another_choice(first, i) for i in range(1, first.request.n)]
     try:
         for call in calls:
@@ -72,7 +71,7 @@ async def completion(ctx: ServerContext, request: Request, chat: bool) -> Respon
         for call in calls:
             ctx.loop.abort(call)
         raise
-    headers = {"x-anatomy-id": ",".join(c.id for c in calls), "x-llm-anatomy-weights": ctx.engine.weights.kind}
+    headers = {"x-anatomy-id": ",".join(c.id for c in calls), "x-llm-anatomy-weights": ctx.info.weights_kind}
     if first.request.stream:
         return EventStream(stream(ctx, calls), headers={**headers, "cache-control": "no-cache"})
     try:
@@ -89,7 +88,7 @@ async def completion(ctx: ServerContext, request: Request, chat: bool) -> Respon
 
 
 async def whole_answer(ctx: ServerContext, calls: list[Call], ends: list[Progress]) -> dict:
-    first, req, tokenizer = calls[0], calls[0].request, ctx.engine.tokenizer
+    first, req, tokenizer = calls[0], calls[0].request, ctx.info.tokenizer
     out = None
     for i, (call, end) in enumerate(zip(calls, ends)):
         text = (call.prompt_text or "") + end.text if req.echo else end.text
@@ -127,7 +126,7 @@ async def wait_done(ctx: ServerContext, call: Call, request: Request) -> Progres
 
 async def anatomy_of(ctx: ServerContext, call: Call) -> dict | None:
     """The call's anatomy summary, asking the builder for it first and waiting until it is built."""
-    ctx.loop.builder.want(call.id)
+    ctx.loop.want(call.id)
     while not call.anatomy_built:
         await call.events.take()  # the builder posts once it is done
     return call.anatomy
@@ -155,7 +154,7 @@ class ChoiceStream:
         """Logprobs of the tokens since the last chunk that carried some."""
         if not self.want_logprobs or event.tokens <= self.logprobs_sent:
             return None
-        body = logprobs_body(self.req, self.ctx.engine.tokenizer, event.token_ids[self.logprobs_sent:event.tokens],
+        body = logprobs_body(self.req, self.ctx.info.tokenizer, event.token_ids[self.logprobs_sent:event.tokens],
                              event.logprobs[self.logprobs_sent:event.tokens], offset=self.sent)
         self.logprobs_sent = event.tokens
         return body

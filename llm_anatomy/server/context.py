@@ -1,4 +1,4 @@
-"""What every route of the server shares: its options, its engine loop, its keys and its drain state."""
+"""What every route of the server shares: its options, its engine client, its keys and its drain state."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .auth import Keys
-    from .loop import EngineLoop
+    from .core import EngineInfo
+    from .loop import EngineClient
 
 log = logging.getLogger("llm_anatomy.server")
 MAX_WARNED = 256  # ignored field names remembered (a client inventing names must not grow memory)
@@ -45,7 +46,7 @@ class Drain:
 
 @dataclass
 class ServerContext:
-    loop: "EngineLoop"
+    loop: "EngineClient"  # the engine core, as the routes see it
     options: ServeOptions
     keys: "Keys"
     drain: Drain
@@ -53,8 +54,8 @@ class ServerContext:
     warned: set[str] = field(default_factory=set)
 
     @property
-    def engine(self):
-        return self.loop.engine
+    def info(self) -> "EngineInfo":
+        return self.loop.info
 
     def note_ignored(self, names: list[str]) -> None:
         """Log request fields this server ignores, once per name (as vLLM warns of them)."""

@@ -1,43 +1,44 @@
-"""The engine thread behind the server.
+"""The HTTP process's side of the engine core (core.py): requests prepared here, handed to the core, its outputs
+delivered to the calls' handlers.
 
-Request handlers (asyncio) parse, template and tokenize a call in a worker thread, then hand it to the engine
-thread through a queue. The engine thread alone touches the engine: it admits calls, runs steps (continuous
-batching: calls join and leave between steps), aborts calls whose clients went away, and pushes each call's
-progress to its asyncio queue, one wake-up of the event loop per step for all of them. Finished calls go to
-the anatomy builder (anatomies.py), off this thread.
+Request handlers (asyncio) parse, template, tokenize and check a call in a worker thread (`prepare`), then
+`submit` it: a writing thread sends it to the core (a send never blocks the event loop, however long the prompt).
+A reading thread receives the core's messages: each step's outputs for all its calls go to the event loop with
+one wake-up (`call_soon_threadsafe`), where each call's text is put together and its Progress put in its
+mailbox; the finished calls' figures and anatomies go to the metrics and the store from the reading thread. If
+the core stops (its process died, or its loop failed), every call in flight gets a 500 at once and /health says
+why.
 
-Nothing one request does can stop the loop: every per-call operation (admit, abort, hand over) is guarded so
-that its failure ends that call alone (HTTP 500), and a step that fails ends the requests that were in it
-(their KV blocks freed) while the loop goes on with the others.
+The core runs in a process of its own from an EngineSpec (`llm-anatomy serve`), or, for tests that build an
+Engine in their own process and reach into it, on a thread of this process: the same core, the same pipes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import logging
+import multiprocessing
 import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
-import torch
-
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams, seed_for_choice
-from ..engine.scheduler import Sequence
-from ..errors import RequestError
+from ..errors import AnatomyError, RequestError
 from ..probe.call import Marks
-from ..probe.clock import Clock
-from ..probe.recorder import Recorder
 from ..prompt import render_prompt
-from .anatomies import AnatomyBuilder
+from . import core
+from .core import UNHEALTHY_AFTER_FAILED_STEPS, CoreOptions, EngineInfo, EngineSpec, Gauges, Sender
 from .errors import APIError, unavailable
+from .metrics import Metrics
 from .protocol import Request
+from .store import AnatomyStore
 
 log = logging.getLogger("llm_anatomy.server")
-UNHEALTHY_AFTER_FAILED_STEPS = 3  # consecutive failed steps after which /health says the engine cannot serve
 
 
 @dataclass(slots=True)
@@ -45,12 +46,12 @@ class Progress:
     text: str  # the call's whole output text so far
     tokens: int  # output tokens so far
     finish_reason: str | None = None  # set on the last one
-    token_ids: list[int] | None = None  # the sequence's own lists (read only up to `tokens`)
+    token_ids: list[int] | None = None  # the call's own lists (read only up to `tokens`), with logprobs only
     logprobs: list | None = None
 
 
 class Mailbox:
-    """A call's events, from the engine thread to its handler on the event loop: the handler takes everything
+    """A call's events, from the engine core to its handler on the event loop: the handler takes everything
     that arrived since it last looked at once (so a stream that fell behind sends one chunk for all of it).
     One list and one future: lighter than an asyncio.Queue, and this runs per call per step."""
 
@@ -61,7 +62,7 @@ class Mailbox:
         self._waiter: asyncio.Future | None = None
 
     def put(self, item) -> None:
-        """On the event loop (post_all gets it there)."""
+        """On the event loop."""
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -90,7 +91,7 @@ def _wake(waiter: asyncio.Future) -> None:
 
 @dataclass
 class Call:
-    """One request in flight, from the handler's side and the engine thread's."""
+    """One request in flight, on the HTTP side."""
 
     id: str
     request: Request
@@ -98,137 +99,158 @@ class Call:
     prompt_token_ids: list[int]
     prompt_text: str | None
     params: SamplingParams
-    loop: asyncio.AbstractEventLoop
     owner: str | None = None  # the salted hash of the API key that made it (None without keys)
     events: Mailbox = field(default_factory=Mailbox)
-    seq: Sequence | None = None
-    done: bool = False  # finished, failed or aborted (engine thread)
-    posted_tokens: int = 0  # output tokens its stream has been told of (engine thread)
+    text: str = ""  # the output so far, put together from the core's deltas
+    token_ids: list[int] | None = None  # with logprobs: the output's ids and their logprobs so far
+    logprobs: list | None = None
+    done: bool = False  # its last output or error has arrived
     anatomy: dict | None = None  # its summary, once built (None also when there is none: aborted before its prefill)
     anatomy_built: bool = False  # set (before the "anatomy" event is posted) once the builder is done with it
 
-    def post(self, event) -> None:
-        """From another thread: put an event in the handler's mailbox."""
-        post_all([(self, event)])
 
+class EngineClient:
+    """The engine core, as the routes see it. Built by `spawn` (the core in its own process, from an EngineSpec)
+    or `in_thread` (around an Engine of this process); `start` waits until the core is ready, `attach` (in the
+    app's lifespan) starts delivering to the event loop, `stop` (after the drain) ends the core."""
 
-def _deliver(items: list[tuple[Call, object]]) -> None:
-    for call, event in items:
-        call.events.put(event)
-
-
-def post_all(items: list[tuple[Call, object]]) -> None:
-    """From another thread: deliver many calls' events with one wake-up of their event loop (each wake-up is a
-    syscall; one per call per step would cost the engine thread real time at large batches)."""
-    if not items:
-        return
-    try:
-        items[0][0].loop.call_soon_threadsafe(_deliver, items)  # one server, one event loop
-    except RuntimeError:  # the event loop is gone (server shutting down)
-        pass
-
-
-class OpenSteps:
-    """Engine observer: the sequences of the steps launched and not yet completed, i.e. those a failing step
-    concerns."""
-
-    def __init__(self):
-        self.open: dict[int, list[Sequence]] = {}
-
-    def on_add(self, seq, t_ns): pass
-
-    def on_launch(self, step):
-        self.open[step.index] = step.seqs
-
-    def on_launched(self, step): pass
-
-    def on_step(self, step):
-        for index in [i for i in self.open if i <= step.index]:  # steps complete in order: older ones are over
-            del self.open[index]
-
-    def on_finish(self, seq, t_ns): pass
-
-    def take(self) -> list[Sequence]:
-        seqs = list({id(s): s for seqs in self.open.values() for s in seqs}.values())
-        self.open.clear()
-        return seqs
-
-
-class EngineLoop:
-    def __init__(self, engine: Engine, builder: AnatomyBuilder, stream_interval: int = 1):
-        """`stream_interval`: a stream hears of its first token at once, then of new tokens every this many (and
-        at its end); above 1, fewer chunks to write per step at large batches, in larger pieces (SGLang's
-        --stream-interval)."""
-        if not isinstance(stream_interval, int) or stream_interval < 1:
-            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
-        self.stream_interval = stream_interval
-        self.engine = engine
-        self.builder = builder
-        self.store, self.metrics = builder.store, builder.metrics
-        self.recorder = Recorder(Clock(engine.device))
-        self.open_steps = OpenSteps()
-        engine.observers += [self.recorder, self.open_steps]
-        self._inbox: queue.Queue = queue.Queue()
-        self._calls: dict[str, Call] = {}
-        self._stopping = threading.Event()
-        self.error: str | None = None  # set if the engine thread died
-        self.failed_steps = 0  # consecutive
-        self.last_failure: str | None = None
+    def __init__(self, store: AnatomyStore, metrics: Metrics):
+        self.store, self.metrics = store, metrics
+        self.info: EngineInfo | None = None
         self.started_at = time.time()
-        self._thread = threading.Thread(target=self._run, name="llm-anatomy-engine", daemon=True)
+        self.error: str | None = None  # why the core stopped serving (set once)
+        self._calls: dict[str, Call] = {}  # from submit until its anatomy is done with (or it failed for good)
+        self._gauges: Gauges | None = None
+        self._stopping = False
+        self._worker = None  # the core's process or thread
+        self._to_core = self._from_core = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # what the writing thread sends to the core
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._reader = threading.Thread(target=self._read, name="llm-anatomy-core-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="llm-anatomy-core-writer", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-        self.builder.start()
+    @classmethod
+    def spawn(cls, spec: EngineSpec, options: CoreOptions, store: AnatomyStore, metrics: Metrics,
+              switch_interval_s: float | None = 0.001, gc_threshold: int | None = None) -> "EngineClient":
+        client = cls(store, metrics)
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot fork
+        their_inbox, client._to_core = ctx.Pipe(duplex=False)
+        client._from_core, their_outbox = ctx.Pipe(duplex=False)
+        # Not a daemon: it starts the anatomy builder's process itself. It ends when told to (stop) or when its
+        # inbox closes: at this process's exit (before multiprocessing joins its children), or with it.
+        client._worker = ctx.Process(target=core.main, name="llm-anatomy-engine",
+                                     args=(spec, options, their_inbox, their_outbox, switch_interval_s, gc_threshold))
+        client._worker.start()
+        their_inbox.close()  # the core's ends: closed here, so that the pipes break when it dies
+        their_outbox.close()
+        atexit.register(client._abandon)
+        return client
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Finish what is running, then stop the engine thread and the builder (no requests come any more)."""
-        self._stopping.set()
-        self._inbox.put(None)
-        self._thread.join(timeout)
-        self.builder.stop(timeout)
+    @classmethod
+    def in_thread(cls, engine: Engine, options: CoreOptions, store: AnatomyStore, metrics: Metrics
+                  ) -> "EngineClient":
+        client = cls(store, metrics)
+        their_inbox, client._to_core = multiprocessing.Pipe(duplex=False)
+        client._from_core, their_outbox = multiprocessing.Pipe(duplex=False)
+        client._worker = threading.Thread(target=core.run_core, name="llm-anatomy-engine", daemon=True,
+                                          args=(engine, options, their_inbox, Sender(their_outbox)))
+        client._worker.start()
+        return client
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+    def start(self, progress=None, timeout: float = 3600.0) -> EngineInfo:
+        """Wait until the core is ready (its load stages to `progress`); AnatomyError if it could not start."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self._from_core.poll(max(0.0, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    self._end_worker()
+                    raise AnatomyError(f"the engine was not ready in {timeout:.0f} s")
+                continue
+            try:
+                message = self._from_core.recv()
+            except (EOFError, OSError):
+                self._end_worker()
+                raise AnatomyError(f"the engine's process exited while loading (exit code {self._exitcode()})"
+                                   ) from None
+            if message[0] == "progress":
+                if progress is not None:
+                    progress(message[1])
+            elif message[0] == "failed":
+                self._end_worker()
+                raise AnatomyError(f"the engine could not start: {message[1]}")
+            elif message[0] == "ready":
+                self.info = message[1]
+                self._writer.start()
+                return self.info
 
-    def unhealthy(self) -> str | None:
-        """Why the engine cannot serve now (its thread stopped, or every recent step failed), else None."""
-        if not self.alive:
-            return f"the engine loop stopped: {self.error or 'not running'}"
-        if self.failed_steps >= UNHEALTHY_AFTER_FAILED_STEPS:
-            return f"the last {self.failed_steps} engine steps failed; the latest: {self.last_failure}"
-        return None
+    def attach(self, event_loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver to this event loop from now on (the app's lifespan, on the loop)."""
+        self._event_loop = event_loop
+        self._reader.start()
 
+    def stop(self, timeout: float = 60.0) -> None:
+        """Let the core finish what runs and build what is left, then end it (no requests come any more)."""
+        self._stopping = True
+        self._outbox.put(None)
+        if self._reader.is_alive():
+            self._reader.join(timeout)  # until ("stopped",): every anatomy is in the store
+        self._outbox.put(StopIteration)  # the writing thread's end
+        self._end_worker(timeout)
+        atexit.unregister(self._abandon)
+
+    def _abandon(self) -> None:
+        """At exit without a stop: the core's inbox closed, so that it ends (and multiprocessing's join returns)."""
+        self._to_core.close()
+
+    def _end_worker(self, timeout: float = 10.0) -> None:
+        worker = self._worker
+        if worker is None:
+            return
+        worker.join(timeout)
+        if isinstance(worker, multiprocessing.process.BaseProcess) and worker.is_alive():
+            log.error("the engine's process did not exit in %.0f s: killing it", timeout)
+            worker.kill()
+            worker.join(5)
+
+    def _exitcode(self):
+        return getattr(self._worker, "exitcode", None)
+
+    # ---- for the routes -------------------------------------------------------------------------------
     @property
     def accepted_len(self) -> int:
-        """The longest prompt + max_tokens a request may have: the context, or the KV pool if smaller."""
-        return min(self.engine.max_model_len, self.engine.pool.capacity_tokens)
+        return self.info.accepted_len
 
-    # ---- handler side -------------------------------------------------------------------------------
-    def prepare(self, request: Request, received_ns: int, loop: asyncio.AbstractEventLoop,
-                owner: str | None = None) -> Call:
-        """Template, tokenize and check a request (in a worker thread, not the engine's): every error a user
-        can fix is raised here, before the call reaches the engine."""
-        engine = self.engine
+    def unhealthy(self) -> str | None:
+        """Why the engine cannot serve now (its core stopped, or every recent step failed), else None."""
+        if self.error is not None:
+            return f"the engine stopped: {self.error}"
+        g = self._gauges
+        if g is not None and g.failed_steps >= UNHEALTHY_AFTER_FAILED_STEPS:
+            return f"the last {g.failed_steps} engine steps failed; the latest: {g.last_failure}"
+        return None
+
+    def prepare(self, request: Request, received_ns: int, owner: str | None = None) -> Call:
+        """Template, tokenize and check a request (in a worker thread): every error a user can fix is raised
+        here, before the call reaches the engine."""
+        admission = self.info.admission
         sampling = dict(request.sampling)
         given_max = sampling.pop("max_tokens")
         try:
-            engine.sampling_params(**{**sampling, "min_tokens": 0}, max_tokens=1)  # the values alone, before any work
-            rendered = render_prompt(engine.tokenizer, messages=request.messages, prompt=request.prompt,
+            admission.sampling_params(**{**sampling, "min_tokens": 0}, max_tokens=1)  # the values alone, first
+            rendered = render_prompt(self.info.tokenizer, messages=request.messages, prompt=request.prompt,
                                      prompt_token_ids=request.prompt_token_ids,
                                      enable_thinking=request.enable_thinking, tools=request.tools)
             ids, prompt_text = rendered.token_ids, rendered.text
             room = self.accepted_len - len(ids)
             if given_max is None and room >= 1:
                 given_max = max(room, sampling.get("min_tokens") or 0)  # to the end of the context, as OpenAI does
-            params = engine.sampling_params(**sampling, max_tokens=given_max if given_max is not None else 1)
-            engine.check_request(ids, params)
+            params = admission.sampling_params(**sampling, max_tokens=given_max if given_max is not None else 1)
+            admission.check_request(ids, params)
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) or "KV cache" in str(e) else None
             raise APIError(400, str(e), param=e.param, code=code) from None
         marks = Marks(received_ns, rendered.template_ns, rendered.tokenize_ns, time.perf_counter_ns())
-        return Call(uuid.uuid4().hex[:16], request, marks, ids, prompt_text, params, loop, owner)
+        return Call(uuid.uuid4().hex[:16], request, marks, ids, prompt_text, params, owner)
 
     def another_choice(self, call: Call, index: int) -> Call:
         """Choice `index` of a request with n > 1: the same prompt, its own sequence and anatomy; with a seed,
@@ -237,157 +259,148 @@ class EngineLoop:
         if params.seed is not None:
             params = dataclasses.replace(params, seed=seed_for_choice(params.seed, index))
         return Call(uuid.uuid4().hex[:16], call.request, dataclasses.replace(call.marks), call.prompt_token_ids,
-                    call.prompt_text, params, call.loop, call.owner)
+                    call.prompt_text, params, call.owner)
 
     def submit(self, call: Call) -> None:
-        if self._stopping.is_set():
+        if self._stopping:
             raise unavailable("the server is shutting down")
-        if not self.alive:
+        if self.error is not None:
             raise unavailable(f"the engine stopped: {self.error}")
-        self._inbox.put(("add", call))
+        self._calls[call.id] = call
+        self._outbox.put(("add", call.id, call.request, call.marks, call.prompt_token_ids, call.prompt_text,
+                          call.params))
 
     def abort(self, call: Call) -> None:
-        """The client went away: stop decoding for it and free its KV blocks (done on the engine thread)."""
-        if not call.done:
-            self._inbox.put(("abort", call))
+        """The client went away: stop decoding for it and free its KV blocks (in the core)."""
+        if not call.done and call.id in self._calls:
+            self._outbox.put(("abort", call.id))
 
-    # ---- the engine thread --------------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            if engine.device.type == "cuda":
-                torch.cuda.set_device(engine.device)
-            with torch.inference_mode():
-                while self._take_inbox(block=not engine.has_work()):
-                    if engine.has_work():
-                        self._step()
-                    self._hand_over_finished()
-        except BaseException as e:  # noqa: BLE001 - a bug of the loop itself: answer what is in flight, not hang
-            self.error = f"{type(e).__name__}: {e}"
-            log.exception("the engine thread stopped")
-            post_all([(call, APIError(500, f"the engine failed: {self.error}", type="server_error"))
-                      for call in self._calls.values()])
+    def want(self, anatomy_id: str) -> None:
+        """Someone waits for this anatomy: the builder takes it next."""
+        self._outbox.put(("want", anatomy_id))
 
-    def _take_inbox(self, block: bool) -> bool:
-        """Admit new calls and process aborts. False once told to stop and nothing is left to run."""
+    # ---- the writing thread ---------------------------------------------------------------------------
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not StopIteration:
+            try:
+                self._to_core.send(message)
+            except OSError:  # the core is gone: the reading thread says so
+                return
+
+    # ---- the reading thread ---------------------------------------------------------------------------
+    def _read(self) -> None:
         while True:
             try:
-                item = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                if block:
-                    self._reanchor_clock()
-                    if self._stopping.is_set():
-                        return False
-                    continue
-                return True
-            block = False
-            if item is None:
-                if not self.engine.has_work():
-                    return False
-                continue
-            what, call = item
+                message = self._from_core.recv()
+            except (EOFError, OSError):
+                if self.error is None:
+                    if isinstance(self._worker, threading.Thread):
+                        self._core_stopped("the engine's thread ended")
+                    else:
+                        self._worker.join(2)  # its pipe closed as it died: its exit code comes with its end
+                        self._core_stopped(f"the engine's process exited (exit code {self._exitcode()})")
+                return
             try:
-                if what == "add":
-                    self._add(call)
-                elif call.seq is not None and not call.seq.finished:
-                    self.engine.abort(call.seq)
-            except Exception as e:  # noqa: BLE001 - this call alone fails
-                self._fail(call, e, "admitting" if what == "add" else "aborting")
+                if not self._handle(message):
+                    return
+            except Exception:  # noqa: BLE001 - a bad message must not stop the deliveries
+                log.exception("handling the engine's %r message failed", message[0])
 
-    def _reanchor_clock(self) -> None:
-        """While idle (a sync costs nothing), take a fresh device reference: host and device clocks drift."""
-        if self.recorder.clock.age_s > 60 and not self._calls:
-            self.recorder.clock = Clock(self.engine.device)
+    def _handle(self, message: tuple) -> bool:
+        """One message from the core (core.py lists them); False once the core has stopped."""
+        what = message[0]
+        if what == "step":
+            _, outputs, failures, gauges = message
+            self._gauges = self.metrics.live.gauges = gauges
+            if outputs or failures:
+                self._on_loop(self._deliver, outputs, failures)
+        elif what == "finished":
+            self._finished(message[1])
+        elif what == "anatomy":
+            self._anatomy(*message[1:])
+        elif what == "restarted":
+            self.metrics.anatomy_builder_restarts.labels(self.metrics.model).inc()
+        elif what == "died":
+            self._core_stopped(f"the engine loop failed: {message[1]}")
+            return False
+        elif what == "stopped":
+            self._core_stopped("the server stopped")
+            return False
+        return True
 
-    def _add(self, call: Call) -> None:
-        self._calls[call.id] = call
-        self.recorder.watch(call.id, call.marks.received)
-        call.seq = self.engine.add_request(call.prompt_token_ids, call.params, request_id=call.id)
-
-    def _fail(self, call: Call, e: Exception, doing: str) -> None:
-        """One call failed on the engine thread: end it (freeing its blocks) and answer it with an error."""
-        log.exception("%s request %s failed", doing, call.id)
-        self._calls.pop(call.id, None)
-        if call.seq is None:
-            self.recorder.traces.pop(call.id, None)  # watched, never added: nothing will finish it
-        elif not call.seq.finished:
-            try:
-                self.engine.abort(call.seq)
-            except Exception:  # noqa: BLE001
-                log.exception("aborting request %s after its failure failed too", call.id)
-        if not call.done:
-            call.done = True
-            status = 400 if isinstance(e, RequestError) else 500
-            call.post(APIError(status, f"{doing} this request failed: {type(e).__name__}: {e}",
-                               type="invalid_request_error" if status == 400 else "server_error",
-                               param=getattr(e, "param", None)))
-
-    def _step(self) -> None:
-        try:
-            seqs = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail the step's calls, keep serving the others
-            self._step_failed(e)
-            return
-        events = []
-        errors = 0
-        calls, interval = self._calls, self.stream_interval
-        for seq in seqs:  # runs per sequence per step: locals, and finish_reason (set exactly when it finished)
-            call = calls.get(seq.request_id)
-            reason = seq.finish_reason
-            if reason == "error":  # the engine ended it (a failure confined to it), blocks freed
-                errors += 1
-                self.last_failure = getattr(seq, "error", None) or "unknown error"
+    def _deliver(self, outputs: list[tuple], failures: list[tuple]) -> None:
+        """On the event loop: a step's outputs, one Progress per call (its text put together here)."""
+        calls = self._calls
+        for call_id, delta, tokens, reason, ids, logprobs in outputs:
+            call = calls.get(call_id)
             if call is None or call.done:
                 continue
+            if delta:
+                call.text += delta
+            if ids is not None:
+                if call.token_ids is None:
+                    call.token_ids, call.logprobs = [], []
+                call.token_ids += ids
+                call.logprobs += logprobs
             if reason is not None:
                 call.done = True
-            tokens = len(seq.output_token_ids)
-            if reason == "error":
-                events.append((call, APIError(500, f"the engine failed on this request: {self.last_failure}",
-                                              type="server_error")))
-            elif reason is not None or (call.request.stream and (  # a whole-answer call needs only its end
-                    call.posted_tokens == 0 or tokens - call.posted_tokens >= interval)):
-                call.posted_tokens = tokens
-                events.append((call, Progress(seq.text, tokens, reason, seq.output_token_ids, seq.logprobs)))
-        self.failed_steps = self.failed_steps + 1 if seqs and errors == len(seqs) else 0
-        post_all(events)
-
-    def _step_failed(self, e: Exception) -> None:
-        log.exception("a step failed")
-        self.failed_steps += 1
-        self.last_failure = f"{type(e).__name__}: {e}"
-        why = ("out of device memory while running this request; retry, or lower max_tokens or concurrency"
-               if isinstance(e, torch.cuda.OutOfMemoryError) else f"the step running this request failed: "
-                                                                 f"{self.last_failure}")
-        try:
-            self.engine.reset_pipeline()
-        except Exception:  # noqa: BLE001
-            log.exception("resetting the engine's pipeline failed")
-        concerned = self.open_steps.take() or list(self.engine.scheduler.running)
-        events = []
-        for seq in concerned:
-            call = self._calls.get(seq.request_id)
-            try:
-                self.engine.abort(seq)  # frees its KV blocks
-            except Exception:  # noqa: BLE001
-                log.exception("aborting %s after a failed step failed", seq.request_id)
+            call.events.put(Progress(call.text, tokens, reason, call.token_ids, call.logprobs))
+        for call_id, status, message, kind, param, final in failures:
+            call = calls.pop(call_id, None) if final else calls.get(call_id)  # final: no anatomy will follow
             if call is not None and not call.done:
                 call.done = True
-                events.append((call, APIError(500, why, type="server_error")))
-        post_all(events)
+                call.events.put(APIError(status, message, type=kind, param=param))
 
-    def _hand_over_finished(self) -> None:
-        for trace in self.recorder.take_finished():
-            call = self._calls.pop(trace.request_id, None)
-            if call is None:
-                continue
-            try:
-                call.marks.end = trace.finished_ns
-                seq = call.seq
-                if not call.done:  # aborted
-                    call.done = True
-                    call.post(Progress(seq.text, len(seq.output_token_ids), seq.finish_reason, seq.output_token_ids,
-                                       seq.logprobs))
-                self.builder.add(call, trace, self.engine.result(seq, call.prompt_text), self.recorder.oldest_step)
-            except Exception as e:  # noqa: BLE001 - this call's record is lost, nothing else
-                self._fail(call, e, "recording")
+    def _finished(self, stats: list) -> None:
+        for s in stats:
+            self.metrics.observe(s)
+            call = self._calls.get(s.id)
+            if call is not None and not call.anatomy_built:
+                self.store.expect(s.id, call.owner)  # GET /v1/anatomy/{id} waits for it from now on
+
+    def _anatomy(self, call_id: str, summary: dict | None, json: bytes | None, joules: float | None,
+                 seconds: float | None, dropped: bool) -> None:
+        call = self._calls.get(call_id)
+        if json is not None:
+            self.store.add_json(call_id, json, call.owner if call is not None else None)
+            self.metrics.anatomy_build.labels(self.metrics.model).observe(seconds)
+            self.metrics.observe_joules(joules)
+        else:
+            self.store.give_up(call_id)
+        if dropped:
+            self.metrics.anatomies_dropped.labels(self.metrics.model).inc()
+        self._on_loop(self._anatomy_done, call_id, summary)
+
+    def _anatomy_done(self, call_id: str, summary: dict | None) -> None:
+        """On the event loop, after the step messages before it: the call is over."""
+        call = self._calls.pop(call_id, None)
+        if call is not None:
+            call.anatomy, call.anatomy_built = summary, True
+            call.events.put(("anatomy", summary))
+
+    def _on_loop(self, fn, *args) -> None:
+        """Run `fn` on the event loop, after what was sent there before: the calls (`_calls`) change only there,
+        so that a step's outputs are delivered before the same call's anatomy ends it."""
+        try:
+            self._event_loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is gone (the server has shut down): nobody to answer
+            pass
+
+    def _core_stopped(self, why: str) -> None:
+        """The core is gone: /health says so at once, and every call still waiting for something gets its answer."""
+        if self.error is None:
+            self.error = why
+        if not self._stopping:
+            log.error("%s: failing the calls in flight", why)
+        if self._event_loop is not None:
+            self._on_loop(self._fail_all, why)
+
+    def _fail_all(self, why: str) -> None:
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            self.store.give_up(call.id)
+            call.anatomy, call.anatomy_built = {"id": call.id, "error": f"the anatomy was lost: {why}"}, True
+            if not call.done:
+                call.done = True
+                call.events.put(APIError(500, f"the engine failed: {why}", type="server_error"))
+            call.events.put(("anatomy", call.anatomy))

@@ -3,14 +3,16 @@ under vLLM's own prefix (vllm:) so that dashboards and load generators built for
 
 Latency histograms and token counters are fed from each finished call's trace as it finishes, with the same
 instants its Anatomy reports (so /metrics and the anatomies agree, even when a busy server builds the
-anatomy later); energy is counted once the anatomy is built. Gauges (running and waiting requests, KV cache
-usage, GPU power and energy) are read when scraped.
+anatomy later): the engine core's process reads them off the trace (call_stats) and this process counts them
+(Metrics.observe). Energy is counted once the anatomy is built. Gauges (running and waiting requests, KV cache
+usage, GPU power and energy) are the latest the engine core sent (core.Gauges, with every step).
 """
 
 from __future__ import annotations
 
 import threading
 from bisect import bisect_left
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -36,44 +38,76 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    480.0, 960.0, 1920.0, 7680.0)
 
 
-class _Live:
-    """Values read at scrape time."""
+@dataclass(frozen=True, slots=True)
+class CallStats:
+    """A finished call's figures for the metrics, read off its trace where the engine runs (call_stats)."""
 
-    def __init__(self, model: str, engine, telemetry):
-        self.model, self.engine, self.telemetry = model, engine, telemetry
-        self.energy0: int | None = None  # mJ on the device counter when the server started
+    id: str
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None = None  # None (and the rest empty): aborted before its prefill, nothing ran
+    tpot_s: float | None = None  # None: a single token
+    itl_s: tuple[float, ...] = ()
+    e2e_s: float | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    preemptions: int = 0
+
+
+def call_stats(call_id: str, trace: RequestTrace, marks: Marks, result) -> CallStats:
+    """A finished call's latencies, from its trace: the instants build_anatomy reads (ttft_ms, itl_ms, tpot_ms,
+    e2e_ms, batching.queue_ms, prefill.ms)."""
+    prompt, output = len(result.prompt_token_ids), len(result.output_token_ids)
+    if not trace.steps:
+        return CallStats(call_id, result.finish_reason, prompt, output)
+    clock = trace.clock
+    token_ms = [clock.ms(r.step.t_end_ns) for r in trace.steps]
+    return CallStats(
+        call_id, result.finish_reason, prompt, output, token_ms[0] / 1e3,
+        (token_ms[-1] - token_ms[0]) / (output - 1) / 1e3 if output > 1 else None,
+        tuple((b - a) / 1e3 for a, b in zip(token_ms, token_ms[1:])), clock.ms(marks.end) / 1e3,
+        (clock.ms(trace.steps[0].step.t_start_ns) - clock.ms(marks.queue)) / 1e3,
+        sum(trace.device_ms(r) for r in trace.chunks + trace.steps[:1]) / 1e3,
+        trace.seq.num_preemptions if trace.seq is not None else 0)
+
+
+class _Live:
+    """The engine core's latest gauges (core.Gauges), exported when scraped."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.gauges = None  # none yet: exported as an idle engine's
+        self.energy0: float | None = None  # mJ on the device counter when the server started
 
     def collect(self):
         labels = ["model_name"]
-        scheduler, pool = self.engine.scheduler, self.engine.pool
+        g = self.gauges
         for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch.", len(scheduler.running)),
-                ("num_requests_waiting", "Requests queued for admission.", len(scheduler.waiting)),
-                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                 1 - pool.num_free_blocks / pool.num_blocks)):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric([self.model], value)
-            yield g
-        sample = self.telemetry.latest() if self.telemetry is not None else None
-        if sample is None:
-            return
-        if sample.power_mw is not None:
-            g = GaugeMetricFamily(PREFIX + "gpu_power_watts", "GPU power draw (NVML), latest sample.", labels=labels)
-            g.add_metric([self.model], sample.power_mw / 1e3)
-            yield g
-        if sample.energy_mj is not None:
+                ("num_requests_running", "Requests in the running batch.", g.running if g else 0),
+                ("num_requests_waiting", "Requests queued for admission.", g.waiting if g else 0),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", g.kv_usage if g else 0.0)):
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric([self.model], value)
+            yield family
+        if g is not None and g.power_mw is not None:
+            family = GaugeMetricFamily(PREFIX + "gpu_power_watts", "GPU power draw (NVML), latest sample.",
+                                       labels=labels)
+            family.add_metric([self.model], g.power_mw / 1e3)
+            yield family
+        if g is not None and g.energy_mj is not None:
             if self.energy0 is None:
-                self.energy0 = sample.energy_mj
+                self.energy0 = g.energy_mj
             c = CounterMetricFamily(PREFIX + "gpu_energy_joules", "GPU energy since the server started (NVML).",
                                     labels=labels)
-            c.add_metric([self.model], (sample.energy_mj - self.energy0) / 1e3)
+            c.add_metric([self.model], (g.energy_mj - self.energy0) / 1e3)
             yield c
 
 
 class _ManyHistogram:
     """A histogram fed many values at once (a request's gaps between tokens: one per token) under one lock;
     prometheus_client's Histogram takes a lock per value, which at thousands of tokens a second costs the
-    interpreter time the engine thread needs."""
+    interpreter time the event loop needs."""
 
     def __init__(self, name: str, documentation: str, model: str, buckets: tuple[float, ...]):
         self.name, self.documentation, self.model = name, documentation, model
@@ -118,7 +152,7 @@ class _VllmNames:
 
 
 class Metrics:
-    def __init__(self, model: str, engine, telemetry=None):
+    def __init__(self, model: str):
         disable_created_metrics()  # no *_created series (vLLM exports none either)
         self.model = model
         self.registry = CollectorRegistry()
@@ -146,14 +180,14 @@ class Metrics:
                               "of the device's (by its tokens' fraction of each step), else the device's over its "
                               "span.", m, registry=r)
         self.anatomy_build = Histogram(PREFIX + "anatomy_build_seconds", "Time to build a finished call's anatomy "
-                                       "(off the engine thread; includes waiting for the energy counter's next "
+                                       "(off the step loop; includes waiting for the energy counter's next "
                                        "update).", m, buckets=TPOT_BUCKETS, registry=r)
         self.anatomies_dropped = Counter(PREFIX + "anatomies_dropped", "Anatomies not built: the server was too busy "
                                          "to build them before newer ones pushed them out.", m, registry=r)
         self.anatomy_builder_restarts = Counter(
             PREFIX + "anatomy_builder_restarts", "Times the anatomy builder's process died and a new one was started "
             "(the anatomies it was building were lost: their calls got an error summary).", m, registry=r)
-        self.live = _Live(model, engine, telemetry)
+        self.live = _Live(model)
         r.register(self.live)
         self.vllm_registry = CollectorRegistry()
         self.vllm_registry.register(_VllmNames(r))
@@ -161,20 +195,21 @@ class Metrics:
                        self.anatomy_builder_restarts):
             family.labels(model)  # exported at 0 from the start
 
-    def observe_trace(self, trace: RequestTrace, marks: Marks, output_tokens: int) -> None:
-        """A finished call's latencies, from its trace: the instants build_anatomy reads (ttft_ms, itl_ms,
-        tpot_ms, e2e_ms, batching.queue_ms, prefill.ms)."""
-        m, clock = self.model, trace.clock
-        token_ms = [clock.ms(r.step.t_end_ns) for r in trace.steps]
-        self.ttft.labels(m).observe(token_ms[0] / 1e3)
-        if output_tokens > 1:
-            self.tpot.labels(m).observe((token_ms[-1] - token_ms[0]) / (output_tokens - 1) / 1e3)
-        self.itl.observe_many([(b - a) / 1e3 for a, b in zip(token_ms, token_ms[1:])])
-        self.e2e.labels(m).observe(clock.ms(marks.end) / 1e3)
-        self.queue.labels(m).observe((clock.ms(trace.steps[0].step.t_start_ns) - clock.ms(marks.queue)) / 1e3)
-        self.prefill.labels(m).observe(sum(trace.device_ms(r) for r in trace.chunks + trace.steps[:1]) / 1e3)
-        if trace.seq is not None and trace.seq.num_preemptions:
-            self.preemptions.labels(m).inc(trace.seq.num_preemptions)
+    def observe(self, s: CallStats) -> None:
+        """A finished call (with or without an anatomy): its tokens, how it ended, and its latencies if it ran."""
+        m = self.model
+        self.finished(s.finish_reason, s.prompt_tokens, s.output_tokens)
+        if s.ttft_s is None:
+            return
+        self.ttft.labels(m).observe(s.ttft_s)
+        if s.tpot_s is not None:
+            self.tpot.labels(m).observe(s.tpot_s)
+        self.itl.observe_many(s.itl_s)
+        self.e2e.labels(m).observe(s.e2e_s)
+        self.queue.labels(m).observe(s.queue_s)
+        self.prefill.labels(m).observe(s.prefill_s)
+        if s.preemptions:
+            self.preemptions.labels(m).inc(s.preemptions)
 
     def observe_energy(self, a: Anatomy) -> None:
         """A built anatomy: its energy (the device's, or its share of it when batched)."""
@@ -186,7 +221,7 @@ class Metrics:
             self.energy.labels(self.model).inc(joules)
 
     def finished(self, reason: str, prompt_tokens: int, output_tokens: int) -> None:
-        """Every finished call (with or without an anatomy): its tokens and how it ended."""
+        """A finished call's tokens and how it ended."""
         self.prompt_tokens.labels(self.model).inc(prompt_tokens)
         self.generation_tokens.labels(self.model).inc(output_tokens)
         self.success.labels(self.model, reason).inc()

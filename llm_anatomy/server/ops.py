@@ -10,7 +10,7 @@ from .context import ServerContext
 
 def routes(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
-    engine = ctx.engine
+    info = ctx.info
 
     @router.get("/v1/models")
     async def models():
@@ -18,8 +18,8 @@ def routes(ctx: ServerContext) -> APIRouter:
         # than the model's context)
         return {"object": "list", "data": [{
             "id": ctx.options.model_names[0], "object": "model", "created": int(ctx.loop.started_at),
-            "owned_by": "llm-anatomy", "root": engine.source.name, "parent": None,
-            "max_model_len": ctx.loop.accepted_len, "weights": engine.weights.kind}]}
+            "owned_by": "llm-anatomy", "root": info.name, "parent": None,
+            "max_model_len": ctx.loop.accepted_len, "weights": info.weights_kind}]}
 
     @router.get("/health")
     async def health():

@@ -1,0 +1,444 @@
+"""The engine core: the engine and everything that touches it, in a process of its own (vLLM's "engine core").
+
+The server's HTTP process (FastAPI, uvicorn, parsing, templating, tokenizing, SSE, the anatomy store, metrics)
+and the engine's step loop each have an interpreter lock of their own: the loop's per-step host work (scheduling,
+detokenizing, the Recorder, the calls' outputs) no longer waits for the event loop writing hundreds of streams,
+nor the event loop for it. `llm-anatomy serve` always runs the core in a process (`main`, started with "spawn":
+CUDA cannot fork) from an EngineSpec; tests that build an Engine in their own process and reach into it run the
+same core on a thread of that process (`run_core`). Either way the two sides speak over the same two pipes
+(loop.py is the HTTP side):
+
+  HTTP -> core  ("add", id, Request, Marks, prompt token ids, prompt text, SamplingParams), ("abort", id),
+                ("want", id) (build this anatomy next), None (stop once what runs has finished)
+  core -> HTTP  ("progress", stage) while the engine loads, then ("ready", EngineInfo) or ("failed", why);
+                ("step", outputs, failures, Gauges): one message per step for all its calls;
+                ("finished", [CallStats]) and ("anatomy", id, summary, json, joules, seconds, dropped) from the
+                anatomy builder (anatomies.py); ("restarted",) when its process was replaced;
+                ("died", why) if the loop itself failed; ("stopped",) after a stop, everything built.
+
+A step's output per call is (id, new text, output tokens so far, finish reason, new token ids, their logprobs):
+the text since the last one (never the whole text), ids and logprobs only for a call that asked for logprobs.
+Text that could still become a stop string is held back until the call ends (the engine cuts a stop string
+from the text, so what was sent never has to be taken back). Host instants (Marks) are perf_counter_ns values,
+which on Linux read CLOCK_MONOTONIC: the same clock in both processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ..anatomy import Ceilings
+from ..engine.engine import Admission, Engine
+from ..engine.sampling import SamplingParams
+from ..engine.scheduler import Sequence
+from ..errors import AnatomyError, RequestError
+from ..probe.call import Marks
+from ..probe.clock import Clock
+from ..probe.recorder import Recorder
+from ..tokenizer import Tokenizer
+from .anatomies import AnatomyBuilder
+from .protocol import Request
+
+log = logging.getLogger("llm_anatomy.server")
+UNHEALTHY_AFTER_FAILED_STEPS = 3  # consecutive failed steps after which /health says the engine cannot serve
+IDLE_POLL_S = 1.0  # an idle core wakes this often: the stop flag, the clock's re-anchoring, fresh gauges
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build the engine: Engine.from_pretrained's arguments, picklable (the core's process builds it)."""
+
+    model: str
+    settings: tuple[tuple[str, object], ...] = ()  # from_pretrained's keyword arguments, as pairs
+
+    @classmethod
+    def of(cls, model: str, **settings) -> "EngineSpec":
+        return cls(str(model), tuple(sorted(settings.items())))
+
+    def build(self, progress=None) -> Engine:
+        return Engine.from_pretrained(self.model, progress=progress, **dict(self.settings))
+
+
+@dataclass(frozen=True)
+class CoreOptions:
+    """What the core needs besides the engine."""
+
+    ceilings: Ceilings | None = None  # None: measured in the core's process (or the cached ones), see `calibrate`
+    calibrate: bool = True  # with no ceilings given: measure (or read the cache); False: the datasheet's
+    device_why: str = ""
+    telemetry_hz: float | None = 50.0  # None: no GPU telemetry
+    keep_anatomies: int = 1000  # the anatomy builder's backlog
+    stream_interval: int = 1  # a stream hears of its first token at once, then of new ones every this many (and
+    # at its end); above 1, fewer chunks to write per step at large batches, in larger pieces (SGLang's
+    # --stream-interval)
+
+    def __post_init__(self):
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP process knows of the engine: sent once, when the core is ready."""
+
+    admission: Admission  # fills in and checks requests as the engine will
+    tokenizer: Tokenizer  # the HTTP process templates and tokenizes (and names logprobs' tokens) itself
+    name: str  # the model's name (its source)
+    weights_kind: str  # "checkpoint" | "synthetic"
+    weights_label: str
+    device: str
+
+    @classmethod
+    def of(cls, engine: Engine) -> "EngineInfo":
+        return cls(engine.admission, engine.tokenizer, engine.source.name, engine.weights.kind, engine.weights.label,
+                   str(engine.device))
+
+    @property
+    def accepted_len(self) -> int:
+        """The longest prompt + max_tokens a request may have: the context, or the KV pool if smaller."""
+        return min(self.admission.max_model_len, self.admission.capacity_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    """The engine's state after a step, for /metrics and /health."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    failed_steps: int  # consecutive
+    last_failure: str | None
+    power_mw: float | None = None  # the GPU's latest telemetry sample
+    energy_mj: float | None = None
+
+
+@dataclass
+class CoreCall:
+    """One request, on the core's side."""
+
+    id: str
+    request: Request
+    marks: Marks
+    prompt_token_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    seq: Sequence | None = None
+    done: bool = False  # its last output or error is sent
+    sent_tokens: int = 0  # output tokens the HTTP side has been told of
+    sent_chars: int = 0
+    hold: int = field(init=False)  # characters held back while the text could still become a stop string
+    want_logprobs: bool = field(init=False)
+
+    def __post_init__(self):
+        self.hold = max(0, max((len(s) for s in self.params.stop), default=0) - 1)
+        self.want_logprobs = self.params.logprobs is not None
+
+    def output(self, seq: Sequence, tokens: int, reason: str | None) -> tuple:
+        text = seq.text
+        upto = len(text) if reason is not None else len(text) - self.hold
+        delta = text[self.sent_chars:upto] if upto > self.sent_chars else ""
+        self.sent_chars = max(self.sent_chars, upto)
+        ids = logprobs = None
+        if self.want_logprobs:
+            ids, logprobs = seq.output_token_ids[self.sent_tokens:tokens], seq.logprobs[self.sent_tokens:tokens]
+        self.sent_tokens = tokens
+        return self.id, delta, tokens, reason, ids, logprobs
+
+
+class OpenSteps:
+    """Engine observer: the sequences of the steps launched and not yet completed, i.e. those a failing step
+    concerns."""
+
+    def __init__(self):
+        self.open: dict[int, list[Sequence]] = {}
+
+    def on_add(self, seq, t_ns): pass
+
+    def on_launch(self, step):
+        self.open[step.index] = step.seqs
+
+    def on_launched(self, step): pass
+
+    def on_step(self, step):
+        for index in [i for i in self.open if i <= step.index]:  # steps complete in order: older ones are over
+            del self.open[index]
+
+    def on_finish(self, seq, t_ns): pass
+
+    def take(self) -> list[Sequence]:
+        seqs = list({id(s): s for seqs in self.open.values() for s in seqs}.values())
+        self.open.clear()
+        return seqs
+
+
+class Sender:
+    """One end of a pipe that several threads send on (the step loop, the anatomy builder's threads)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def __call__(self, message) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+
+class EngineCore:
+    """The step loop: admits calls, steps, aborts, and sends each step's outputs as one message. Nothing one request
+    does stops it: every per-call operation is guarded so that its failure ends that call alone (HTTP 500, or 400
+    for a RequestError), and a step that fails ends the requests that were in it (their KV blocks freed) while the
+    loop goes on with the others. Finished calls go to the anatomy builder."""
+
+    def __init__(self, engine: Engine, options: CoreOptions, ceilings: Ceilings, send: Sender, telemetry,
+                 telemetry_note: str):
+        self.engine, self.options, self.send, self.telemetry = engine, options, send, telemetry
+        self.recorder = Recorder(Clock(engine.device))
+        self.open_steps = OpenSteps()
+        engine.observers += [self.recorder, self.open_steps]
+        self.builder = AnatomyBuilder(engine, ceilings, send, telemetry, telemetry_note, options.device_why,
+                                      backlog=options.keep_anatomies)
+        self._calls: dict[str, CoreCall] = {}
+        self._outputs: list[tuple] = []  # for the next message
+        self._failures: list[tuple] = []
+        self._gauges: Gauges | None = None  # the last sent
+        self._stopping = False
+        self.failed_steps = 0
+        self.last_failure: str | None = None
+
+    def run(self, inbox) -> None:
+        """Until told to stop (and what runs has finished), or until the HTTP side's end of the pipe closes."""
+        engine = self.engine
+        with torch.inference_mode():
+            while self._take_inbox(inbox, block=not engine.has_work()):
+                if engine.has_work():
+                    self._step()
+                self._hand_over_finished()
+                self._flush()
+
+    def _take_inbox(self, inbox, block: bool) -> bool:
+        """Admit new calls and process aborts. False once told to stop and nothing is left to run."""
+        while True:
+            if block and self._stopping:  # told to stop, and nothing runs
+                return False
+            if not inbox.poll(IDLE_POLL_S if block else 0):
+                if block:
+                    self._reanchor_clock()
+                    if self._stopping:
+                        return False
+                    self._flush(idle=True)
+                    continue
+                return True
+            block = False
+            item = inbox.recv()  # EOFError: the HTTP process is gone (run's caller ends)
+            if item is None:
+                self._stopping = True
+                if not self.engine.has_work():
+                    return False
+                continue
+            what, call_id = item[0], item[1]
+            if what == "want":
+                self.builder.want(call_id)
+                continue
+            call = CoreCall(*item[1:]) if what == "add" else self._calls.get(call_id)
+            if call is None:  # an abort for a call already over
+                continue
+            try:
+                if what == "add":
+                    self._add(call)
+                elif call.seq is not None and not call.seq.finished:
+                    self.engine.abort(call.seq)
+            except Exception as e:  # noqa: BLE001 - this call alone fails
+                self._fail(call, e, "admitting" if what == "add" else "aborting")
+
+    def _reanchor_clock(self) -> None:
+        """While idle (a sync costs nothing), take a fresh device reference: host and device clocks drift."""
+        if self.recorder.clock.age_s > 60 and not self._calls:
+            self.recorder.clock = Clock(self.engine.device)
+
+    def _add(self, call: CoreCall) -> None:
+        self._calls[call.id] = call
+        self.recorder.watch(call.id, call.marks.received)
+        call.seq = self.engine.add_request(call.prompt_token_ids, call.params, request_id=call.id)
+
+    def _fail(self, call: CoreCall, e: Exception, doing: str) -> None:
+        """One call failed here: end it (freeing its blocks) and answer it with an error (no anatomy follows)."""
+        log.exception("%s request %s failed", doing, call.id)
+        self._calls.pop(call.id, None)
+        if call.seq is None:
+            self.recorder.traces.pop(call.id, None)  # watched, never added: nothing will finish it
+        elif not call.seq.finished:
+            try:
+                self.engine.abort(call.seq)
+            except Exception:  # noqa: BLE001
+                log.exception("aborting request %s after its failure failed too", call.id)
+        call.done = True
+        status = 400 if isinstance(e, RequestError) else 500
+        self._failures.append((call.id, status, f"{doing} this request failed: {type(e).__name__}: {e}",
+                               "invalid_request_error" if status == 400 else "server_error",
+                               getattr(e, "param", None), True))
+
+    def _step(self) -> None:
+        try:
+            seqs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the step's calls, keep serving the others
+            self._step_failed(e)
+            return
+        outputs, errors = self._outputs, 0
+        calls, interval = self._calls, self.options.stream_interval
+        for seq in seqs:  # runs per sequence per step: locals, and finish_reason (set exactly when it finished)
+            call = calls.get(seq.request_id)
+            reason = seq.finish_reason
+            if reason == "error":  # the engine ended it (a failure confined to it), blocks freed
+                errors += 1
+                self.last_failure = getattr(seq, "error", None) or "unknown error"
+            if call is None or call.done:
+                continue
+            if reason is not None:
+                call.done = True
+            tokens = len(seq.output_token_ids)
+            if reason == "error":
+                self._failures.append((call.id, 500, f"the engine failed on this request: {self.last_failure}",
+                                       "server_error", None, False))
+            elif reason is not None or (call.request.stream and (  # a whole-answer call needs only its end
+                    call.sent_tokens == 0 or tokens - call.sent_tokens >= interval)):
+                outputs.append(call.output(seq, tokens, reason))
+        self.failed_steps = self.failed_steps + 1 if seqs and errors == len(seqs) else 0
+
+    def _step_failed(self, e: Exception) -> None:
+        log.exception("a step failed")
+        self.failed_steps += 1
+        self.last_failure = f"{type(e).__name__}: {e}"
+        why = ("out of device memory while running this request; retry, or lower max_tokens or concurrency"
+               if isinstance(e, torch.cuda.OutOfMemoryError) else f"the step running this request failed: "
+                                                                 f"{self.last_failure}")
+        try:
+            self.engine.reset_pipeline()
+        except Exception:  # noqa: BLE001
+            log.exception("resetting the engine's pipeline failed")
+        for seq in self.open_steps.take() or list(self.engine.scheduler.running):
+            call = self._calls.get(seq.request_id)
+            try:
+                self.engine.abort(seq)  # frees its KV blocks
+            except Exception:  # noqa: BLE001
+                log.exception("aborting %s after a failed step failed", seq.request_id)
+            if call is not None and not call.done:
+                call.done = True
+                self._failures.append((call.id, 500, why, "server_error", None, False))
+
+    def _hand_over_finished(self) -> None:
+        for trace in self.recorder.take_finished():
+            call = self._calls.pop(trace.request_id, None)
+            if call is None:
+                continue
+            try:
+                call.marks.end = trace.finished_ns
+                seq = call.seq
+                if not call.done:  # aborted
+                    call.done = True
+                    self._outputs.append(call.output(seq, len(seq.output_token_ids), seq.finish_reason))
+                self.builder.add(call, trace, self.engine.result(seq, call.prompt_text), self.recorder.oldest_step)
+            except Exception as e:  # noqa: BLE001 - this call's record is lost, nothing else
+                self._fail(call, e, "recording")
+
+    def gauges(self) -> Gauges:
+        scheduler, pool = self.engine.scheduler, self.engine.pool
+        sample = self.telemetry.latest() if self.telemetry is not None else None
+        return Gauges(len(scheduler.running), len(scheduler.waiting), 1 - pool.num_free_blocks / pool.num_blocks,
+                      self.failed_steps, self.last_failure, sample.power_mw if sample else None,
+                      sample.energy_mj if sample else None)
+
+    def _flush(self, idle: bool = False) -> None:
+        """The step's outputs and failures in one message, with the gauges (alone when they changed, or when idle,
+        for the telemetry's)."""
+        gauges = self.gauges()
+        if self._outputs or self._failures or gauges != self._gauges or idle:
+            self.send(("step", self._outputs, self._failures, gauges))
+            self._outputs, self._failures, self._gauges = [], [], gauges
+
+
+def _ceilings(engine: Engine, options: CoreOptions, progress) -> Ceilings:
+    if options.ceilings is not None:
+        return options.ceilings
+    from ..probe.ceilings import datasheet_ceilings, load_or_calibrate
+
+    if not options.calibrate:
+        return datasheet_ceilings(engine.device)
+    return load_or_calibrate(engine.device, quick=True, progress=progress).ceilings  # a busy one warns
+
+
+def run_core(engine: Engine, options: CoreOptions, inbox, send: Sender, progress=None) -> None:
+    """Serve `engine` from this thread: the anatomy builder and the telemetry started, ("ready", EngineInfo)
+    sent (or ("failed", why)), the step loop until stopped, then what is left built and ("stopped",) sent. A
+    failure of the loop itself is sent as ("died", why) (the HTTP side then fails what is in flight)."""
+    from ..probe.telemetry import TelemetryStream, nvml_status
+
+    telemetry, core = None, None
+    try:
+        try:
+            if engine.device.type == "cuda":
+                torch.cuda.set_device(engine.device)
+            ceilings = _ceilings(engine, options, progress)
+            available, note = nvml_status(engine.device) if options.telemetry_hz else (False, "telemetry turned off")
+            telemetry = TelemetryStream(engine.device, options.telemetry_hz) if available else None
+            core = EngineCore(engine, options, ceilings, send, telemetry, note)
+            if telemetry is not None:
+                telemetry.start()
+            core.builder.start()
+        except Exception as e:  # noqa: BLE001 - the HTTP side says it and does not start
+            log.exception("the engine core could not start")
+            send(("failed", str(e) if isinstance(e, AnatomyError) else f"{type(e).__name__}: {e}"))
+            return
+        send(("ready", EngineInfo.of(engine)))
+        try:
+            core.run(inbox)
+        except (EOFError, OSError):  # the HTTP side is gone: nobody to answer
+            return
+        except BaseException as e:  # noqa: BLE001 - a bug of the loop itself: say so, the HTTP side answers
+            log.exception("the engine loop stopped")
+            send(("died", f"{type(e).__name__}: {e}"))
+            return
+        core.builder.stop()
+        send(("stopped",))
+    finally:
+        if core is not None:
+            core.builder.stop(timeout=5)  # a no-op after a stop; else its process ends with this one
+            for observer in (core.recorder, core.open_steps):
+                engine.observers.remove(observer)
+        if telemetry is not None:
+            telemetry.stop()
+
+
+def main(spec: EngineSpec, options: CoreOptions, inbox, outbox, switch_interval_s: float | None,
+         gc_threshold: int | None) -> None:
+    """The core's process: build the engine (its load stages sent as ("progress", stage)), then run_core. A load
+    that fails is sent as ("failed", why), one line."""
+    # The HTTP process stops this one through the pipe, after its drain: a Ctrl-C or a SIGTERM sent to the whole
+    # process group must not end it first. An HTTP process that dies closes the pipe, which ends it too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="llm-anatomy engine: %(message)s", stream=sys.stderr)
+    send = Sender(outbox)
+    try:
+        engine = spec.build(progress=lambda stage: send(("progress", stage)))
+    except Exception as e:  # noqa: BLE001 - the HTTP process says it in one line and exits
+        send(("failed", str(e) if isinstance(e, AnatomyError) else f"{type(e).__name__}: {e}"))
+        return
+    # As the HTTP process does (app.serve): out of the way of the collector, and a short switch interval for the
+    # builder's threads (the step loop waits for the device with the lock released).
+    gc.collect()
+    gc.freeze()
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
+    if gc_threshold is not None:
+        gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
+    try:
+        run_core(engine, options, inbox, send, progress=lambda stage: send(("progress", stage)))
+    except (EOFError, OSError):  # the HTTP process is gone
+        pass
