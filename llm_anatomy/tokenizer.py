@@ -115,6 +115,13 @@ class Tokenizer:
                 and not (skip_special_tokens and i in self.special_token_ids)]
         return self._decode(kept)
 
+    def __getstate__(self) -> dict:
+        # The server's engine core sends its tokenizer to the HTTP process: a compiled template holds its
+        # environment's functions, which do not pickle; it is compiled again on first use there.
+        state = self.__dict__.copy()
+        state.pop("_template", None)
+        return state
+
     @cached_property
     def _template(self) -> jinja2.Template:
         try:

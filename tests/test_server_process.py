@@ -206,6 +206,34 @@ def test_an_engine_that_cannot_load_is_one_clear_error(checkpoint, tmp_path, cap
     assert err[-1].startswith("llm-anatomy: error: the engine could not start") and "Traceback" not in "".join(err)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_core_that_cannot_say_ready_or_ends_silently_fails_the_start_at_once(checkpoint, tmp_path, monkeypatch):
+    """An engine whose description cannot cross the pipe is a start failure that says why, and a core (here, on a
+    thread: no pipe closes when it ends) that ends without a word is one too: neither waits for the timeout."""
+    import torch
+
+    from llm_anatomy import Engine
+    from llm_anatomy.server import core
+
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256, block_size=16,
+                                    max_num_seqs=2)
+    args = dict(host="127.0.0.1", port=0, model_names=(MODEL,), ceilings=CEILINGS, telemetry_hz=None)
+    monkeypatch.setattr(core.EngineInfo, "of", classmethod(lambda cls, engine: (lambda: None)))  # pickles not
+    t = time.monotonic()
+    with pytest.raises(AnatomyError, match="the engine could not start: .*pickle"):
+        build_server(engine, run_dir=tmp_path / "a", **args)
+    for ending in (None, RuntimeError("a bug")):  # a raised error's traceback keeps the core's end of the pipe open
+        monkeypatch.setattr(core, "run_core", lambda *a, ending=ending, **kw: _end(ending))
+        with pytest.raises(AnatomyError, match="the engine(.s process exited| core ended) while loading"):
+            build_server(engine, run_dir=tmp_path / str(ending), **args)
+    assert time.monotonic() - t < 30
+
+
+def _end(error):
+    if error is not None:
+        raise error
+
+
 def test_build_server_takes_a_spec_or_an_engine_and_nothing_else(tmp_path):
     with pytest.raises(TypeError, match="EngineSpec or an Engine"):
         build_server(str(tmp_path), host="127.0.0.1", port=0, model_names=(MODEL,), ceilings=CEILINGS,

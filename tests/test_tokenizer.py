@@ -265,3 +265,16 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_a_tokenizer_that_rendered_its_template_still_pickles():
+    """The server's engine core sends its tokenizer to the HTTP process: once the chat template was compiled (a
+    jinja2 environment with local functions) it must still pickle, and render alike on the other side."""
+    import pickle
+
+    from llm_anatomy.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(None)
+    messages = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(messages)
+    assert pickle.loads(pickle.dumps(tok)).apply_chat_template(messages) == text

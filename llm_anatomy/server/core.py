@@ -391,11 +391,11 @@ def run_core(engine: Engine, options: CoreOptions, inbox, send: Sender, progress
             if telemetry is not None:
                 telemetry.start()
             core.builder.start()
+            send(("ready", EngineInfo.of(engine)))  # pickled before a byte is written: a failure sends nothing
         except Exception as e:  # noqa: BLE001 - the HTTP side says it and does not start
             log.exception("the engine core could not start")
             send(("failed", str(e) if isinstance(e, AnatomyError) else f"{type(e).__name__}: {e}"))
             return
-        send(("ready", EngineInfo.of(engine)))
         try:
             core.run(inbox)
         except (EOFError, OSError):  # the HTTP side is gone: nobody to answer

@@ -162,6 +162,9 @@ class EngineClient:
         deadline = time.monotonic() + timeout
         while True:
             if not self._from_core.poll(max(0.0, min(1.0, deadline - time.monotonic()))):
+                if not self._worker.is_alive() and not self._from_core.poll():  # a thread's end closes no pipe
+                    self._end_worker()
+                    raise AnatomyError(f"the engine core ended while loading (exit code {self._exitcode()})")
                 if time.monotonic() > deadline:
                     self._end_worker()
                     raise AnatomyError(f"the engine was not ready in {timeout:.0f} s")
