@@ -7,8 +7,8 @@ rmsnorm_fp8 writes the result quantized per token for a W8A8 product instead (fp
 per row): the arithmetic of fp8_quant.quantize_rows(rmsnorm(...)), the result rounded to the model dtype and then
 quantized (fp8_quant.row_scale, to_fp8), without writing it and reading it back. The same bits in Triton's
 interpreter; on a GPU Triton lays this variant out differently and may add a row's squares in another order, so a
-rare value lands on the neighbouring model-dtype value before it is quantized (8 of 33.5 million at 8192 rows of
-4096 on an H200; tests/test_quant_kernels.py).
+rare value lands on the neighbouring model-dtype value before it is quantized, one fp8 code away (how rare:
+benchmarks/README.md).
 """
 
 import torch

@@ -39,9 +39,11 @@ from .cuda import STREAM_HELPERS, compile_kernel, launch
 
 log = logging.getLogger(__name__)
 
-CONSUMERS = 256  # eight warps split K: thread t takes the 16-byte pieces t, t + 256, ... of every row
+CONSUMERS = 256  # eight warps: for bf16 thread t takes the 16-byte pieces t, t + 256, ... of every row; for fp8 each
+# warp takes 128-byte windows of the stage in turn (see the kernel)
 # A stage's bytes (one bulk copy, two when gated), by weight bytes: an fp8 stage holds 64 KB, four times a bf16
-# stage's rows; fewer, longer stages measured faster for fp8 and no different for bf16 (benchmarks/README.md).
+# stage's rows (the MMA's 16 rows for Qwen3-8B's K = 4096); fewer, longer stages measured faster for fp8 when its
+# weights were converted in registers, no different for bf16 (benchmarks/README.md).
 STAGE_BYTES = {2: 32 * 1024, 1: 64 * 1024}
 RING_BYTES = 192 * 1024  # leaves the small kernels between GEMVs room to stay resident beside a block
 SHARED_LIMIT = 227 * 1024  # a Hopper block's opt-in maximum
