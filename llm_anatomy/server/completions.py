@@ -143,7 +143,6 @@ class ChoiceStream:
         self.tokens: int | None = None
         self.over = False  # its last line (the finish reason, or an error) is out
         self.want_logprobs = call.params.logprobs is not None
-        self.hold = max(0, max((len(s) for s in call.params.stop), default=0) - 1)
         self.text_chunks = TextChunks(self.req, key, created, index, self.prompt_tokens)
 
     def _chunk(self, tokens: int, **kw) -> str:
@@ -185,9 +184,10 @@ class ChoiceStream:
         if event.finish_reason is not None:
             self.over = True
             return self._last(event)
-        # Hold back what could still become a stop string (cut from the text) or a tool call.
+        # What could still become a stop string never arrives before the call ends (the engine core holds it back,
+        # server/core.py); what could still become a tool call is held back here.
         text = event.text
-        upto = len(text) - self.hold
+        upto = len(text)
         if self.req.parse_tool_calls:
             upto = min(upto, before_tool_call(text))
         if upto <= self.sent:
