@@ -125,3 +125,18 @@ def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_goes_on(sa
     assert a.finish_reason == "error" and "injected" in a.error
     assert b.finish_reason == "length" and len(b.output_token_ids) == 5
     assert engine.pool.num_free_blocks == free
+
+
+def test_the_default_device_is_resolved_to_an_indexed_one():
+    """`serve` without --device hands None to the engine core's process, which calls torch.cuda.set_device:
+    a bare "cuda" made it refuse to start on every GPU machine."""
+    from llm_anatomy.engine.engine import parse_device
+
+    dev = parse_device(None)
+    if torch.cuda.is_available():
+        assert dev.type == "cuda" and dev.index == torch.cuda.current_device()
+        assert parse_device("cuda").index is not None
+    else:
+        assert dev == torch.device("cpu")
+    with pytest.raises(AnatomyError, match="unknown device"):
+        parse_device("gpu0")

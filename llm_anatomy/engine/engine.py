@@ -146,8 +146,10 @@ def default_device() -> torch.device:
 
 
 def parse_device(device: str | torch.device | None) -> torch.device:
+    """The device asked for (None: the default), checked; a CUDA device always with its index (cuda:N), which
+    torch.cuda.set_device and the engine core's process need."""
     if device is None:
-        return default_device()
+        device = default_device()
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
