@@ -144,6 +144,42 @@ def test_lookahead_gives_the_same_tokens(save_tiny):
     assert ahead.pool.num_free_blocks == ahead.pool.num_blocks
 
 
+def test_lookahead_through_arrivals_finishes_and_chunked_prompts(save_tiny, monkeypatch):
+    """A server's traffic: requests arriving while others run, each finishing at its own length, a prompt longer
+    than a step's budget (chunked), one with penalties (its next draw needs the host). The steps launched ahead
+    take some rows' tokens from the device and others' from the host, or leave out the rows that finish, and
+    every request gets exactly the tokens it gets step by step."""
+    directory, _ = save_tiny(initializer_range=0.2)
+    kw = dict(device="cpu", dtype=torch.float32, kv_cache_tokens=1024, block_size=4, max_num_batched_tokens=32)
+    plain = Engine.from_pretrained(directory, lookahead=False, **kw)
+    ahead = Engine.from_pretrained(directory, lookahead=True, **kw)
+    arrivals = {0: [([3, 1, 4], dict(max_tokens=12)), ([1, 5, 9, 2, 6], dict(max_tokens=7))],
+                2: [([5, 3], dict(max_tokens=9))],
+                5: [(list(range(2, 50)), dict(max_tokens=6))],  # 48 tokens: chunked at 32
+                6: [([7, 7, 7], dict(max_tokens=5, temperature=1.0, seed=3, top_k=0, top_p=1.0))],
+                9: [([8, 2], dict(max_tokens=8, frequency_penalty=1.5))],
+                11: [([4, 4], dict(max_tokens=10))]}
+    launched = []
+    inputs = ahead.runner.ahead_inputs
+    monkeypatch.setattr(ahead.runner, "ahead_inputs",
+                        lambda seqs, rows, tokens: launched.append(list(rows)) or inputs(seqs, rows, tokens))
+
+    def serve(engine):
+        seqs, step = [], 0
+        while step <= max(arrivals) or engine.has_work():
+            for ids, sampling in arrivals.get(step, []):
+                seqs.append(engine.add_request(ids, engine.sampling_params(
+                    **{"temperature": 0, "ignore_eos": True, **sampling})))
+            engine.step()
+            step += 1
+        return [(s.output_token_ids, s.finish_reason) for s in seqs]
+
+    assert serve(ahead) == serve(plain)
+    assert any(None in rows for rows in launched)  # host rows beside device rows (after a prefill)
+    assert any(None not in rows and rows != list(range(len(rows))) for rows in launched)  # finishing rows left out
+    assert ahead.pool.num_free_blocks == ahead.pool.num_blocks
+
+
 def test_lookahead_recorder_sees_every_step(save_tiny):
     from llm_anatomy.anatomy import Ceilings
     from llm_anatomy.probe.call import CallRequest, measure_call
@@ -245,11 +281,11 @@ def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine,
     seen = []
     run = runner.run
 
-    def recording(batch, ahead_tokens=None):
-        attn = runner.prepare(batch, ahead=int(ahead_tokens is not None))[2]
+    def recording(batch, ahead=None):
+        attn = runner.prepare(batch, None if ahead is None else ahead.offsets)[2]
         seen.append((batch.is_prefill, len(batch.seqs), int(attn.context_lens.max()), attn.decode_splits,
                      attn.decode_block_n))
-        return run(batch, ahead_tokens)
+        return run(batch, ahead)
 
     monkeypatch.setattr(runner, "run", recording)
     monkeypatch.setattr(engine, "runner", runner)
@@ -272,12 +308,12 @@ def test_a_decode_steps_graph_inputs_are_each_sequences_token_position_slot_and_
     seqs = [engine.add_request(ids, engine.sampling_params(max_tokens=4)) for ids in ([3, 1, 4], [1, 5, 9, 2, 6])]
     while not all(s.output_token_ids for s in seqs):
         engine.step()
-    for ahead in (False, True):
+    for ahead in (None, (1, 1), (0, 1)):
         for s in seqs:
             s.block_table.ensure(s.num_tokens + 1)
         stage, lens = torch.full((3, 4), 7, dtype=torch.int64), torch.full((4,), 7, dtype=torch.int32)
         longest = stage_decode_inputs(seqs, ahead, 3, stage, lens)
-        positions = [s.num_tokens - 1 + ahead for s in seqs]
+        positions = [s.num_tokens - 1 + off for s, off in zip(seqs, ahead or (0, 0))]
         assert stage[0, :2].tolist() == [s.last_token for s in seqs]
         assert stage[1, :2].tolist() == positions
         assert stage[2, :2].tolist() == [s.block_table.slot(p) for s, p in zip(seqs, positions)]

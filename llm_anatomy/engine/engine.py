@@ -27,10 +27,14 @@ from .kv_cache import BlockTable, KVCachePool
 from .plan import choose_plan
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, logprobs_of
-from .scheduler import ScheduledBatch, Scheduler, Sequence
+from .scheduler import AheadInputs, ScheduledBatch, Scheduler, Sequence
 from .tuning import TileTuning, tune_gemv_tiles
 
 log = logging.getLogger("llm_anatomy")
+
+# While requests wait for admission, up to this many decode steps are still launched ahead before a step is
+# scheduled that admits them: each waits at most that long, and a prefill takes several arrivals at once.
+AHEAD_WHILE_WAITING = 4
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,7 @@ class Engine:
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._ahead: _Pending | None = None
+        self._ahead_while_waiting = 0  # decode steps launched ahead since requests began to wait (_ahead_rows)
         if device.type == "cuda":  # two steps' sampled tokens can be in flight at once
             self._host_tokens = torch.zeros(2, max(cfg.max_num_seqs, 1), dtype=torch.int64).pin_memory()
             self._host_flip = 0
@@ -406,9 +411,11 @@ class Engine:
                     return []
                 seqs = batch.seqs
                 pending = self._launch(batch, t_start)
+                self._ahead_while_waiting = 0  # a scheduled step: waiting requests were admitted if they fit
             seqs = pending.batch.seqs
-            if self._can_run_ahead(pending):
-                self._ahead = self._launch_ahead(pending)
+            rows = self._ahead_rows(pending)
+            if rows is not None:
+                self._ahead = self._launch_ahead(pending, rows)
             self._complete(pending)
             return seqs
         except Exception as e:  # noqa: BLE001 - the step's requests end with the error, the engine goes on
@@ -435,22 +442,26 @@ class Engine:
                         t_launch_ns=time.perf_counter_ns())
         return self._run(_Pending(batch, step), None)
 
-    def _launch_ahead(self, previous: "_Pending") -> "_Pending":
-        """The decode step after `previous`, taking its sampled tokens straight from the device."""
-        seqs = previous.batch.seqs
+    def _launch_ahead(self, previous: "_Pending", rows: list[tuple[Sequence, int | None]]) -> "_Pending":
+        """The decode step after `previous` (rows from _ahead_rows), the newest tokens of those in it taken straight
+        from the device."""
+        seqs = [s for s, _ in rows]
+        ahead = self.runner.ahead_inputs(seqs, [row for _, row in rows], previous.tokens)
+        if self.scheduler.waiting:
+            self._ahead_while_waiting += 1
         step = None
         if self.observers:
             now = time.perf_counter_ns()
-            step = Step(next(self._steps), False, seqs, [1] * len(seqs), [s.num_tokens + 1 for s in seqs], now,
-                        t_launch_ns=now)
+            step = Step(next(self._steps), False, seqs, [1] * len(seqs),
+                        [s.num_tokens + off for s, off in zip(seqs, ahead.offsets)], now, t_launch_ns=now)
         batch = ScheduledBatch(seqs, [1] * len(seqs), False, seqs, len(seqs))
-        return self._run(_Pending(batch, step), previous.tokens)
+        return self._run(_Pending(batch, step), ahead)
 
-    def _run(self, pending: "_Pending", ahead_tokens) -> "_Pending":
+    def _run(self, pending: "_Pending", ahead: AheadInputs | None) -> "_Pending":
         step, sampled = pending.step, pending.batch.sampled
         for o in self.observers:
             o.on_launch(step)
-        logits = self.runner.run(pending.batch, ahead_tokens)
+        logits = self.runner.run(pending.batch, ahead)
         if sampled:
             pending.tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled],
                                           [s.output_counts for s in sampled], self._banned(sampled))
@@ -478,18 +489,36 @@ class Engine:
         return [(tuple(s.params.stop_token_ids) + (() if s.params.ignore_eos else self.defaults.eos_token_ids))
                 if len(s.output_token_ids) < s.params.min_tokens else () for s in seqs]
 
-    def _can_run_ahead(self, p: "_Pending") -> bool:
-        """Only when the next step is certain to be a decode of exactly these sequences (nothing waiting to be
-        admitted, nobody about to hit a length limit) and its cache blocks can be held now."""
-        seqs = p.batch.seqs
-        if not self.lookahead or self.scheduler.waiting or self.scheduler.running != seqs or p.batch.sampled != seqs:
-            return False
-        for s in seqs:  # the host is one step behind p: p's tokens will make it num_tokens + 1
-            if s.output_counts is not None or len(s.output_token_ids) + 1 >= s.params.max_tokens or \
-                    len(s.output_token_ids) < s.params.min_tokens or \
-                    s.num_tokens + 1 >= self.max_model_len:
-                return False
-        return all(s.block_table.ensure(s.num_tokens + 1) for s in seqs)
+    def _ahead_rows(self, p: "_Pending") -> list[tuple[Sequence, int | None]] | None:
+        """The decode step that follows `p`, when it can be launched before p's tokens are read back: every running
+        sequence that decodes next, each with the row of p's sampled tokens that holds its newest token (None: the
+        host has it, it was not in p), their cache blocks held now. Those whose token from p is their last (a
+        length limit) are left out: they finish when p completes. None when the next step must be scheduled:
+        lookahead off, a prompt being chunked, a sequence whose next draw needs p's token on the host (penalties'
+        counts, min_tokens' bans), blocks short, or requests waiting for admission that have waited
+        AHEAD_WHILE_WAITING such steps already."""
+        if not self.lookahead or p.tokens is None:
+            return None
+        if self.scheduler.waiting and self._ahead_while_waiting >= AHEAD_WHILE_WAITING:
+            return None
+        in_p = {id(s): row for row, s in enumerate(p.batch.sampled)}
+        rows = []
+        for s in self.scheduler.running:
+            row = in_p.get(id(s))
+            if row is None:  # the host has its newest token; it decodes next unless it is a prompt being chunked
+                if not s.decoding:
+                    return None
+                rows.append((s, None))
+                continue
+            # the host is one step behind p: p's token will make it num_tokens + 1
+            if len(s.output_token_ids) + 1 >= s.params.max_tokens or s.num_tokens + 1 >= self.max_model_len:
+                continue
+            if s.output_counts is not None or len(s.output_token_ids) < s.params.min_tokens:
+                return None
+            rows.append((s, row))
+        if not rows or not all(s.block_table.ensure(s.num_tokens + (row is not None)) for s, row in rows):
+            return None
+        return rows
 
     def _complete(self, p: "_Pending") -> None:
         """Read the step's tokens back (the one sync per step) and append them."""

@@ -22,7 +22,7 @@ from ..models.attention import AttentionBatch, prefill_bucket
 from ..models.qwen3 import Qwen3ForCausalLM
 from .kv_cache import KVCachePool
 from .plan import ExecutionPlan
-from .scheduler import ScheduledBatch, Sequence
+from .scheduler import AheadInputs, ScheduledBatch, Sequence
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 PREFILL_GRAPH_TOKENS = 2048
@@ -41,15 +41,16 @@ def decode_batch_sizes(max_batch: int) -> list[int]:
     return sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch})
 
 
-def stage_decode_inputs(seqs: list[Sequence], ahead: bool, rows: int, stage: torch.Tensor, lens: torch.Tensor
-                        ) -> int:
+def stage_decode_inputs(seqs: list[Sequence], ahead: tuple[int, ...] | None, rows: int, stage: torch.Tensor,
+                        lens: torch.Tensor) -> int:
     """A decode step's inputs into host tensors: stage [3, >= rows] (token ids, positions, cache slots) and lens
-    [>= rows] (context lengths), the rows past the sequences padding (slot -1: stored nowhere; length 0). `ahead`:
-    the step was launched before the previous one's tokens reached the host, so each sequence is one position
-    further. Returns the longest context."""
+    [>= rows] (context lengths), the rows past the sequences padding (slot -1: stored nowhere; length 0). `ahead`
+    (AheadInputs.offsets): the step was launched before the previous one's tokens reached the host, so a sequence
+    with offset 1 is one position further (its token id row is then not used). Returns the longest context."""
     # a row at a time from Python lists: element by element cost ~30x the host time at 512 (benchmarks/README.md)
     n = len(seqs)
-    positions = [seq.num_tokens - 1 + ahead for seq in seqs]
+    positions = [seq.num_tokens - 1 for seq in seqs] if ahead is None else \
+        [seq.num_tokens - 1 + off for seq, off in zip(seqs, ahead)]
     stage[:, :n] = torch.tensor([[seq.last_token for seq in seqs], positions,
                                  [seq.block_table.slot(p) for seq, p in zip(seqs, positions)]])
     stage[:, n:rows] = 0
@@ -194,20 +195,20 @@ class GraphRunner:
         return (bool(self.prefill_graphs) and len(seqs) == 1 and seqs[0].num_cached == 0
                 and batch.query_lens[0] == seqs[0].num_tokens <= max(self.prefill_graphs))
 
-    def decode(self, seqs: list[Sequence], ahead_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Replay the decode graph of the smallest bucket that holds the batch; `ahead_tokens` (the previous step's
-        tokens, still on the device) as its input when the step was launched ahead."""
+    def decode(self, seqs: list[Sequence], ahead: AheadInputs | None) -> torch.Tensor:
+        """Replay the decode graph of the smallest bucket that holds the batch; `ahead.tokens` (on the device) as
+        its input when the step was launched ahead."""
         n = len(seqs)
         b = next(size for size in sorted(self.decode_graphs) if size >= n)
         stage, lens, tables = self._stage[self._flip], self._stage_lens[self._flip], self._stage_tables[self._flip]
         self._flip ^= 1
-        longest = stage_decode_inputs(seqs, ahead_tokens is not None, b, stage, lens)
+        longest = stage_decode_inputs(seqs, None if ahead is None else ahead.offsets, b, stage, lens)
         for i, seq in enumerate(seqs):
             self._sync_table_row(i, seq, tables)
-        if ahead_tokens is None:
+        if ahead is None:
             self.ids[:b].copy_(stage[0, :b], non_blocking=True)
         else:
-            self.ids[:n].copy_(ahead_tokens)
+            self.ids[:n].copy_(ahead.tokens)
             self.ids[n:b].zero_()
         self.pos[:b].copy_(stage[1, :b], non_blocking=True)
         self.slots[:b].copy_(stage[2, :b], non_blocking=True)

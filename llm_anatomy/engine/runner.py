@@ -14,7 +14,7 @@ from ..models.qwen3 import Qwen3ForCausalLM
 from .graphs import GRAPH_PREFILL_TOKENS, GraphRunner
 from .kv_cache import KVCachePool
 from .plan import ExecutionPlan
-from .scheduler import ScheduledBatch
+from .scheduler import AheadInputs, ScheduledBatch
 
 
 class ModelRunner:
@@ -27,7 +27,7 @@ class ModelRunner:
         self.graphs = graphs
         self._eager = False  # see eager()
         self._pinned: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}  # see _upload
-        self._upload_flip = 0
+        self._turns = {"step": 0, "ahead": 0}  # which of a slot's two buffers is next (see _upload)
 
     @contextlib.contextmanager
     def eager(self):
@@ -44,13 +44,14 @@ class ModelRunner:
         """The plan eager steps run with."""
         return self.plan.eager() if self._eager else self.plan
 
-    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+    def _upload(self, host: torch.Tensor, slot: str = "step") -> torch.Tensor:
         """One host-to-device copy; on CUDA through a pinned buffer kept for the purpose (pinning a fresh
-        tensor each step costs milliseconds), two per dtype used in turn, without blocking.
-        A buffer's previous copy has long finished when its turn comes again; its event makes sure."""
+        tensor each step costs milliseconds), two per dtype and slot used in turn, without blocking.
+        A buffer's previous copy has long finished when its turn comes again; its event makes sure. (Slots keep
+        apart uploads that alternate at different paces: a step's integers, a lookahead's token rows.)"""
         if self.device.type != "cuda":
             return host
-        key = (host.dtype, self._upload_flip)
+        key = (host.dtype, slot, self._turns[slot])
         buf, copied = self._pinned.get(key, (None, None))
         if copied is not None:
             copied.synchronize()
@@ -64,9 +65,24 @@ class ModelRunner:
         self._pinned[key] = (buf, copied)
         return dev
 
-    def prepare(self, batch: ScheduledBatch, ahead: int = 0):
-        """Inputs of a step. `ahead`=1: a decode step launched before the previous one's tokens reached the
-        host, so each sequence is one position further than its host-side tokens say.
+    def ahead_inputs(self, seqs: list, rows: list[int | None], tokens: torch.Tensor) -> AheadInputs:
+        """A step's inputs launched ahead: sequence i's newest token is tokens[rows[i]] (on the device) or, where
+        rows[i] is None, its last token on the host. The common case, every row in order, costs nothing; else
+        one upload and one gather on the device (no wait for the step in flight)."""
+        offsets = tuple(int(row is not None) for row in rows)
+        if rows == list(range(len(tokens))):
+            return AheadInputs(tokens, offsets)
+        n, known = len(seqs), len(tokens)
+        host = torch.tensor([s.last_token if row is None else 0 for s, row in zip(seqs, rows)]
+                            + [known + i if row is None else row for i, row in enumerate(rows)], dtype=torch.int64)
+        self._turns["ahead"] ^= 1
+        up = self._upload(host, slot="ahead")
+        return AheadInputs(torch.cat([tokens, up[:n]]).index_select(0, up[n:]), offsets)
+
+    def prepare(self, batch: ScheduledBatch, ahead: tuple[int, ...] | None = None):
+        """Inputs of a step. `ahead` (AheadInputs.offsets): a decode step launched before the previous one's
+        tokens reached the host, its input ids already on the device; a row with offset 1 is one position further
+        than its host-side tokens say.
 
         Positions and slots are computed with tensor ops (a long prompt's 8192 of each took milliseconds as
         Python lists, the device idle meanwhile), and all of the step's integers go up in two copies."""
@@ -76,7 +92,7 @@ class ModelRunner:
         input_ids, positions, slots, prefix_lens = [], [], [], []
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.query_lens)):
             # ahead: the host has not yet counted the step before as cached; it forwards the newest token
-            start = seq.num_tokens - 1 + ahead if ahead else seq.num_cached
+            start = seq.num_tokens - 1 + ahead[row] if ahead else seq.num_cached
             if not ahead:
                 input_ids += seq.token_ids(start, start + n)
             positions.append(torch.arange(start, start + n))
@@ -91,7 +107,7 @@ class ModelRunner:
         longs = torch.cat([torch.tensor(input_ids, dtype=torch.int64), *positions, *slots, last])
         splits, block_n = (None, None) if batch.is_prefill else \
             self.plan.decode_attention.for_step(seqs, int(ints[:seqs].max()))
-        self._upload_flip ^= 1
+        self._turns["step"] ^= 1
         longs, ints = self._upload(longs), self._upload(ints)
         n_ids = 0 if ahead else tokens
         attn = AttentionBatch(
@@ -106,19 +122,18 @@ class ModelRunner:
         return longs[:n_ids], longs[n_ids:n_ids + tokens], attn, longs[n_ids + 2 * tokens:]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, ahead_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward the batch, write its K/V, and return float32 logits [len(batch.sampled), vocab]. With
-        `ahead_tokens` (a decode step's sampled tokens, still on the device) this decode step takes them as
-        its input."""
+    def run(self, batch: ScheduledBatch, ahead: AheadInputs | None = None) -> torch.Tensor:
+        """Forward the batch, write its K/V, and return float32 logits [len(batch.sampled), vocab]. With `ahead`
+        (ahead_inputs) this decode step takes its input ids from the device."""
         graphs = None if self._eager else self.graphs
         if graphs is not None:
             if not batch.is_prefill and graphs.can_decode(len(batch.seqs)):
-                return graphs.decode(batch.seqs, ahead_tokens)
+                return graphs.decode(batch.seqs, ahead)
             if batch.is_prefill and graphs.can_prefill(batch):
                 return graphs.prefill(batch.seqs[0])
-        input_ids, positions, attn, last = self.prepare(batch, ahead=int(ahead_tokens is not None))
-        if ahead_tokens is not None:
-            input_ids = ahead_tokens
+        input_ids, positions, attn, last = self.prepare(batch, None if ahead is None else ahead.offsets)
+        if ahead is not None:
+            input_ids = ahead.tokens
         plan = self.step_plan
         hidden = self.model(input_ids, positions, attn, plan)
         return self.model.compute_logits(hidden[last], plan)

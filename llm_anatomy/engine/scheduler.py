@@ -90,6 +90,16 @@ class ScheduledBatch:
     num_decodes: int  # the first num_decodes sequences each forward their newest token only
 
 
+@dataclass(frozen=True)
+class AheadInputs:
+    """The inputs of a decode step launched before the step before it was read back: each row's newest token, on
+    the device, and per row 1 where that token is the previous step's (the host has not counted it yet: the
+    row's position is one further than the host's tokens say), 0 where the host has it."""
+
+    tokens: torch.Tensor
+    offsets: tuple[int, ...]
+
+
 CHUNK_ALIGN = 256
 
 
