@@ -209,8 +209,8 @@ def make_case(group, page, contexts, kv_heads=2, nan_fill=False, head_major=Fals
         for b, n in enumerate(contexts):
             tok = torch.arange(n, device="cuda")
             slots = tables[b, tok // page].long() * page + tok % page
-            for cache in (k, v):
-                flat = cache.flatten(0, 1)
+            for kv in (k, v):
+                flat = kv.flatten(0, 1)
                 flat[slots] = (torch.randn(n, kv_heads, 128, device="cuda", generator=gen) * 2).to(FP8)
     q = torch.randn(len(contexts), kv_heads * group, 128, device="cuda", generator=gen).bfloat16()
     lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
@@ -278,7 +278,7 @@ def test_close_to_the_triton_fp8_kernel_with_pdl_in_a_cuda_graph():
     for splits in (1, 6):
         eager = fa.fp8_decode_attention(q, k, v, tables, lens, scale, splits=splits, pdl=use_pdl)
         check(eager, want, lens)
-        assert (eager.float() - triton_out.float()).abs().max().item() < 0.02
+        assert ((eager.float() - triton_out.float()).norm() / triton_out.float().norm()).item() < 4e-3
         fa.fp8_decode_attention(q, k, v, tables, lens, scale, splits=splits, pdl=use_pdl, launch_first=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
