@@ -39,7 +39,7 @@ WARPS = 4  # a block's warps, one (sequence, KV head, split) each
 # 16-token tiles a warp's iteration takes (more bytes in flight a load round), and whether it loads the next
 # iteration's tiles before converting this one's (more again, at twice the registers for the raw bytes).
 TILES, PREFETCH = 2, False
-MIN_BLOCKS = 1  # blocks a multiprocessor must fit (__launch_bounds__): above 3, registers are capped below what it takes
+MIN_BLOCKS = 3  # blocks a multiprocessor must fit (__launch_bounds__): 3 of TILES = 2 fit without spilling
 
 
 # A warp per split is a quarter of a Triton program's warps: decode_attention.default_splits' two programs per
@@ -120,7 +120,7 @@ __device__ __forceinline__ void mma(float* c, unsigned a0, unsigned a1, unsigned
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ uint4 load16(const unsigned char* p, bool valid) {
-    return valid ? *(const uint4*)p : make_uint4(0, 0, 0, 0);  // tokens past the split: zeros, no load
+    return valid ? *(const uint4*)p : make_uint4(0, 0, 0, 0);
 }
 
 // The slot of token n0 + (lane mod TOKENS) of the sequence, or 0 past the split's end (its table entry may not exist)
@@ -130,25 +130,33 @@ __device__ __forceinline__ int slot_of(const int* table, int n0, int end, int pa
 }
 
 // One iteration's raw cache bytes. K: tile j's rows tile_token(g) and tile_token(g + 8), bytes [32t, 32t + 32) of
-// each (k_dim); V: the tile's physical tokens 4t..4t+3, bytes [16g, 16g + 16) of each (out_dim).
+// each (k_dim); V: the tile's physical tokens 4t..4t+3, bytes [16g, 16g + 16) of each (out_dim). A K row past the
+// split's end is read from slot 0 (always there, and in L2 after the first such read; its score is masked to -inf
+// whatever its bytes), also for the iteration after the last, which costs a warp 2 KB read from L2 and saves the
+// predicates; a V row there is zeros, not read (its bytes could be NaN, and 0 x NaN is NaN).
 struct Raw { uint4 k[TILES][2][2]; uint4 v[TILES][4]; };
 
-__device__ __forceinline__ void load_raw(Raw& r, const unsigned char* k_head, const unsigned char* v_head,
-                                         long long stride_slot, int slot, int n0, int end, int g, int t) {
+__device__ __forceinline__ void load_k(Raw& r, const unsigned char* k_lane, int stride_slot, int slot, int g) {
     #pragma unroll
     for (int j = 0; j < TILES; ++j) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of the score MMA
             const int tok = 16 * j + 4 * (g >> 1) + (g & 1) + 2 * h;
-            const long long off = (long long)__shfl_sync(FULL, slot, tok) * stride_slot + 32 * t;
-            r.k[j][h][0] = load16(k_head + off, n0 + tok < end);
-            r.k[j][h][1] = load16(k_head + off + 16, n0 + tok < end);
+            const unsigned long long off = (unsigned long long)(unsigned)__shfl_sync(FULL, slot, tok) * (unsigned)stride_slot;
+            r.k[j][h][0] = *(const uint4*)(k_lane + off);
+            r.k[j][h][1] = *(const uint4*)(k_lane + off + 16);
         }
+    }
+}
+__device__ __forceinline__ void load_v(Raw& r, const unsigned char* v_lane, int stride_slot, int slot, int n0,
+                                       int end, int g, int t) {
+    #pragma unroll
+    for (int j = 0; j < TILES; ++j) {
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int tok = 16 * j + 4 * t + i;
-            const long long off = (long long)__shfl_sync(FULL, slot, tok) * stride_slot + 16 * g;
-            r.v[j][i] = load16(v_head + off, n0 + tok < end);
+            const unsigned long long off = (unsigned long long)(unsigned)__shfl_sync(FULL, slot, tok) * (unsigned)stride_slot;
+            r.v[j][i] = load16(v_lane + off, n0 + tok < end);
         }
     }
 }
@@ -159,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 fp8_decode_attention(const unsigned short* q, const unsigned char* k_cache, const unsigned char* v_cache,
                      const int* block_tables, const int* context_lens, float* acc_out, float* ml_out,
                      unsigned short* out, float scale_log2, int batch, int n_kv_heads, int splits, int stride_qb,
-                     int stride_qh, int stride_ob, int stride_oh, int stride_tb, long long stride_slot,
+                     int stride_qh, int stride_ob, int stride_oh, int stride_tb, int stride_slot,
                      long long stride_head, int page_shift) {
     // The next kernel (the merge, or whatever follows) may launch now and wait: pdl.py's LAUNCH_FIRST
     asm volatile("griddepcontrol.launch_dependents;" :::);
@@ -205,8 +213,8 @@ fp8_decode_attention(const unsigned short* q, const unsigned char* k_cache, cons
             qb[2 * c + 1][1] = f16x2_of_bf16x2(raw[c].w);
         }
     }
-    const unsigned char* k_head = k_cache + kvh * stride_head;
-    const unsigned char* v_head = v_cache + kvh * stride_head;
+    const unsigned char* k_lane = k_cache + kvh * stride_head + 32 * t;  // this lane's bytes of a token's head row
+    const unsigned char* v_lane = v_cache + kvh * stride_head + 16 * g;
     // O^T's C fragments: m-tile m, rows out_dim(m, g) = 16g + 2m and 16g + 2m + 1, columns heads 2t, 2t + 1
     float o[8][4];
     #pragma unroll
@@ -214,12 +222,14 @@ fp8_decode_attention(const unsigned short* q, const unsigned char* k_cache, cons
     float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};  // l: this lane's rows only, summed at the end
 
     Raw cur;
-    load_raw(cur, k_head, v_head, stride_slot, slot, start, end, g, t);
+    load_k(cur, k_lane, stride_slot, slot, g);
+    load_v(cur, v_lane, stride_slot, slot, start, end, g, t);
     slot = slot_of(table, start + TOKENS, end, page_shift, lane);
     for (int n0 = start; n0 < end; n0 += TOKENS) {
 #if PREFETCH
         Raw next;
-        load_raw(next, k_head, v_head, stride_slot, slot, n0 + TOKENS, end, g, t);
+        load_k(next, k_lane, stride_slot, slot, g);
+        load_v(next, v_lane, stride_slot, slot, n0 + TOKENS, end, g, t);
         slot = slot_of(table, n0 + 2 * TOKENS, end, page_shift, lane);
 #endif
         // S^T = K Q^T, scaled to log2 units; rows past the end -inf
@@ -239,6 +249,9 @@ fp8_decode_attention(const unsigned short* q, const unsigned char* k_cache, cons
             sc[j][2] = tok + 2 < end ? c[2] * scale_log2 : NEG_INF;
             sc[j][3] = tok + 2 < end ? c[3] * scale_log2 : NEG_INF;
         }
+#if !PREFETCH  // K is in the MMAs' registers: its bytes' registers take the next iteration's K while this one goes on
+        load_k(cur, k_lane, stride_slot, slot, g);
+#endif
         // online softmax per head (column): this lane's heads 2t (c0, c2) and 2t + 1 (c1, c3), max over all 8 g
         float alpha[2];
         #pragma unroll
@@ -286,11 +299,9 @@ fp8_decode_attention(const unsigned short* q, const unsigned char* k_cache, cons
         }
 #if PREFETCH
         cur = next;
-#else
-        if (n0 + TOKENS < end) {
-            load_raw(cur, k_head, v_head, stride_slot, slot, n0 + TOKENS, end, g, t);
-            slot = slot_of(table, n0 + 2 * TOKENS, end, page_shift, lane);
-        }
+#else  // likewise V
+        load_v(cur, v_lane, stride_slot, slot, n0 + TOKENS, end, g, t);
+        slot = slot_of(table, n0 + 2 * TOKENS, end, page_shift, lane);
 #endif
     }
     #pragma unroll
@@ -353,6 +364,8 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     if (k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1
             or k_cache.stride(0) != page_size * k_cache.stride(1)):
         return "K and V caches not laid out alike with flat slots"
+    if k_cache.stride(1) >= 2 ** 31:
+        return "slot stride past 32 bits"
     if k_cache.stride(1) % 16 or k_cache.stride(2) % 16 or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
         return "cache rows not 16-byte aligned"
     if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
@@ -390,7 +403,7 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         launch(kernel, triton.cdiv(warps, WARPS), 32 * WARPS,
                [q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, float(scale * 1.4426950408889634),
                 batch, n_kv_heads, splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                block_tables.stride(0), ctypes.c_longlong(k_cache.stride(1)), ctypes.c_longlong(k_cache.stride(2)),
+                block_tables.stride(0), k_cache.stride(1), ctypes.c_longlong(k_cache.stride(2)),
                 page_size.bit_length() - 1], pdl=pdl)
     if direct:
         return out
