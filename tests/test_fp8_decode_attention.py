@@ -166,6 +166,70 @@ def test_emulated_warp_tile_computes_attention(group):
     assert ((out - want).norm() / want.norm()).item() < 2e-3  # p in fp16
 
 
+def emulated_partials(q, k_cache, v_cache, tables, lens, scale, splits, tiles):
+    """The kernel's partials for `splits` splits as its loop makes them, per (sequence, KV head, split): splits of
+    whole iterations of 16 x tiles tokens, scores in log2 units, online softmax, p in fp16, the max stored in
+    natural-log units. Splits that hold no tokens are left NaN (the kernel writes nothing there)."""
+    batch, n_heads, d = q.shape
+    page, n_kv = k_cache.shape[1], k_cache.shape[2]
+    group, tokens = n_heads // n_kv, 16 * tiles
+    acc = torch.full((batch, n_heads, splits, d), math.nan)
+    ml = torch.full((batch, n_heads, splits, 2), math.nan)
+    k_flat, v_flat = k_cache.flatten(0, 1).double(), v_cache.flatten(0, 1).double()
+    for b, ctx in enumerate(lens.tolist()):
+        per = -(-(-(-ctx // splits)) // tokens) * tokens
+        for s in range(splits):
+            start, end = s * per, min(s * per + per, ctx)
+            if start >= ctx:
+                continue
+            for kvh in range(n_kv):
+                heads = slice(kvh * group, (kvh + 1) * group)
+                qh = q[b, heads].half().double()
+                m, l, o = torch.full((group,), -math.inf, dtype=torch.float64), torch.zeros(group), torch.zeros(group, d)
+                for n0 in range(start, end, tokens):
+                    tok = torch.arange(n0, n0 + tokens)
+                    valid = tok < end
+                    slots = torch.where(valid, tables[b, (tok // page).clamp(max=tables.shape[1] - 1)] * page + tok % page, 0)
+                    sc = torch.where(valid, qh @ k_flat[slots, kvh].T * scale * math.log2(math.e), -math.inf)
+                    mx = torch.maximum(m, sc.max(dim=1).values)
+                    alpha, p = torch.exp2(m - mx), torch.exp2(sc - mx[:, None])
+                    l = l * alpha + p.sum(dim=1)
+                    o = o * alpha[:, None] + p.half().double() @ torch.where(valid[:, None], v_flat[slots, kvh], 0.0)
+                    m = mx
+                acc[b, heads, s] = o.float()
+                ml[b, heads, s, 0], ml[b, heads, s, 1] = (m * math.log(2)).float(), l.float()
+    return acc, ml
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_partials_as_the_kernel_writes_them_merge_to_attention(tiles):
+    """The Triton merge (under Triton's interpreter on the CPU) reads the partials in the kernel's layout, units
+    and split lengths (fa.merge gives it the kernel's tile): the merged output is the attention, padded rows zeros."""
+    from llm_anatomy.kernels import use_kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not use_kernels(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(tiles)
+    contexts, page, n_kv, group, splits = [1, 40, 0, 130], 4, 2, 4, 3
+    per_seq = [-(-max(n, 1) // page) for n in contexts]
+    pages = sum(per_seq)
+    k = (torch.randn(pages, page, n_kv, 128, generator=gen) * 2).to(FP8)
+    v = (torch.randn(pages, page, n_kv, 128, generator=gen) * 2).to(FP8)
+    perm = torch.randperm(pages, generator=gen).int()
+    tables = torch.zeros(len(contexts), max(per_seq), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n], at = perm[at:at + n], at + n
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    q = torch.randn(len(contexts), n_kv * group, 128, generator=gen).bfloat16()
+    acc, ml = emulated_partials(q, k, v, tables, lens, 128 ** -0.5, splits, tiles)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+    fa.merge(acc.to(device).flatten(), ml.to(device).flatten(), lens.to(device), out, splits, tiles)
+    want = reference(q, k, v, tables, lens, 128 ** -0.5)
+    check(out.cpu(), want, lens)
+
+
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                             reason="needs a Hopper-or-later CUDA device")
 

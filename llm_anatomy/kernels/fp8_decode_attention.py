@@ -405,12 +405,20 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                 batch, n_kv_heads, splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 block_tables.stride(0), k_cache.stride(1), ctypes.c_longlong(k_cache.stride(2)),
                 page_size.bit_length() - 1], pdl=pdl)
-    if direct:
-        return out
+    if not direct:
+        merge(acc, ml, context_lens, out, splits, tiles, pdl, launch_first)
+    return out
+
+
+def merge(acc: torch.Tensor, ml: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, splits: int, tiles: int,
+          pdl: bool = False, launch_first: bool = False) -> None:
+    """The Triton merge of decode_attention over the kernel's partials (acc [B, H, splits, 128] unnormalised,
+    ml [B, H, splits, 2] = (max, sum) in natural-log units) into out [B, H, 128]; its tile is the kernel's iteration
+    (16 x tiles tokens), which its count of the splits that hold tokens (_splits_used) assumes."""
+    batch, n_heads, head_dim = out.shape
     splits_pad = max(2, triton.next_power_of_2(splits))
-    chunks = merge_chunks(batch * n_heads, head_dim, sm_count(q.device))
+    chunks = merge_chunks(batch * n_heads, head_dim, sm_count(out.device))
     _decode_attention_merge_kernel[(batch, n_heads, chunks)](
         acc, ml, context_lens, out, out.stride(0), out.stride(1), n_heads, splits, SPLITS_PAD=splits_pad,
         HEAD_DIM=head_dim, D_BLOCK=head_dim // chunks, BLOCK_N=16 * tiles, USE_PDL=pdl,
         LAUNCH_FIRST=launch_first, launch_pdl=pdl, num_warps=merge_warps(splits_pad, head_dim // chunks))
-    return out
