@@ -36,8 +36,9 @@ from .decode_attention import _decode_attention_merge_kernel, default_splits, me
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads of a KV head: the MMA's n
 WARPS = 4  # a block's warps, one (sequence, KV head, split) each
-# 16-token tiles a warp's iteration takes (more bytes in flight a load round), and whether it loads the next
-# iteration's tiles before converting this one's (more again, at twice the registers for the raw bytes).
+# 16-token tiles a warp's iteration takes (more bytes in flight a load round), and whether it loads all of the next
+# iteration's tiles before converting this one's (more again, at twice the registers for the raw bytes); without,
+# the next iteration's K is loaded once this one's scores are computed, and its V once this one's P.V products are.
 TILES, PREFETCH = 2, False
 MIN_BLOCKS = 3  # blocks a multiprocessor must fit (__launch_bounds__): 3 of TILES = 2 fit without spilling
 
@@ -45,7 +46,8 @@ MIN_BLOCKS = 3  # blocks a multiprocessor must fit (__launch_bounds__): 3 of TIL
 # A warp per split is a quarter of a Triton program's warps: decode_attention.default_splits' two programs per
 # multiprocessor leave this kernel 8 warps a multiprocessor at batch 1 (and fewer for batches that default_splits
 # gives one split), too few loads in flight to read at full bandwidth. `warp_splits` aims at WARPS_PER_SM instead,
-# without cutting a context into splits shorter than MIN_SPLIT_TOKENS (each split's partials cost the merge).
+# without cutting a context into splits shorter than MIN_SPLIT_TOKENS (each split's partials cost the merge). The
+# entry point's default stays default_splits (paged_decode_attention's semantics); a caller passes warp_splits.
 WARPS_PER_SM, MIN_SPLIT_TOKENS, MAX_SPLITS = 16, 128, 256
 
 
@@ -148,8 +150,8 @@ __device__ __forceinline__ void load_k(Raw& r, const unsigned char* k_lane, int 
         }
     }
 }
-__device__ __forceinline__ void load_v(Raw& r, const unsigned char* v_lane, int stride_slot, int slot, int n0,
-                                       int end, int g, int t) {
+__device__ __forceinline__ void load_v(Raw& r, const unsigned char* v_lane, int stride_slot, int slot, int n0, int end,
+                                       int t) {
     #pragma unroll
     for (int j = 0; j < TILES; ++j) {
         #pragma unroll
@@ -223,13 +225,13 @@ fp8_decode_attention(const unsigned short* q, const unsigned char* k_cache, cons
 
     Raw cur;
     load_k(cur, k_lane, stride_slot, slot, g);
-    load_v(cur, v_lane, stride_slot, slot, start, end, g, t);
+    load_v(cur, v_lane, stride_slot, slot, start, end, t);
     slot = slot_of(table, start + TOKENS, end, page_shift, lane);
     for (int n0 = start; n0 < end; n0 += TOKENS) {
 #if PREFETCH
         Raw next;
         load_k(next, k_lane, stride_slot, slot, g);
-        load_v(next, v_lane, stride_slot, slot, n0 + TOKENS, end, g, t);
+        load_v(next, v_lane, stride_slot, slot, n0 + TOKENS, end, t);
         slot = slot_of(table, n0 + 2 * TOKENS, end, page_shift, lane);
 #endif
         // S^T = K Q^T, scaled to log2 units; rows past the end -inf
@@ -300,7 +302,7 @@ fp8_decode_attention(const unsigned short* q, const unsigned char* k_cache, cons
 #if PREFETCH
         cur = next;
 #else  // likewise V
-        load_v(cur, v_lane, stride_slot, slot, n0 + TOKENS, end, g, t);
+        load_v(cur, v_lane, stride_slot, slot, n0 + TOKENS, end, t);
         slot = slot_of(table, n0 + 2 * TOKENS, end, page_shift, lane);
 #endif
     }
