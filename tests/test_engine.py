@@ -147,8 +147,9 @@ def test_lookahead_gives_the_same_tokens(save_tiny):
 def test_lookahead_through_arrivals_finishes_and_chunked_prompts(save_tiny, monkeypatch):
     """A server's traffic: requests arriving while others run, each finishing at its own length, a prompt longer
     than a step's budget (chunked), one with penalties (its next draw needs the host). The steps launched ahead
-    take some rows' tokens from the device and others' from the host, or leave out the rows that finish, and
-    every request gets exactly the tokens it gets step by step."""
+    take some rows' tokens from the device and others' from the host, or leave out the rows that finish; new
+    prompts' prefills are launched before the step before them is read back; every request gets exactly the
+    tokens it gets step by step."""
     directory, _ = save_tiny(initializer_range=0.2)
     kw = dict(device="cpu", dtype=torch.float32, kv_cache_tokens=1024, block_size=4, max_num_batched_tokens=32)
     plain = Engine.from_pretrained(directory, lookahead=False, **kw)
@@ -159,10 +160,12 @@ def test_lookahead_through_arrivals_finishes_and_chunked_prompts(save_tiny, monk
                 6: [([7, 7, 7], dict(max_tokens=5, temperature=1.0, seed=3, top_k=0, top_p=1.0))],
                 9: [([8, 2], dict(max_tokens=8, frequency_penalty=1.5))],
                 11: [([4, 4], dict(max_tokens=10))]}
-    launched = []
-    inputs = ahead.runner.ahead_inputs
+    launched, prompts_ahead = [], []
+    inputs, schedule_prompts = ahead.runner.ahead_inputs, ahead.scheduler.schedule_prompts
     monkeypatch.setattr(ahead.runner, "ahead_inputs",
                         lambda seqs, rows, tokens: launched.append(list(rows)) or inputs(seqs, rows, tokens))
+    monkeypatch.setattr(ahead.scheduler, "schedule_prompts",
+                        lambda: prompts_ahead.append(schedule_prompts()) or prompts_ahead[-1])
 
     def serve(engine):
         seqs, step = [], 0
@@ -177,6 +180,7 @@ def test_lookahead_through_arrivals_finishes_and_chunked_prompts(save_tiny, monk
     assert serve(ahead) == serve(plain)
     assert any(None in rows for rows in launched)  # host rows beside device rows (after a prefill)
     assert any(None not in rows and rows != list(range(len(rows))) for rows in launched)  # finishing rows left out
+    assert any(batch is not None for batch in prompts_ahead)  # new prompts' prefill before the step before's read
     assert ahead.pool.num_free_blocks == ahead.pool.num_blocks
 
 

@@ -416,6 +416,11 @@ class Engine:
             rows = self._ahead_rows(pending)
             if rows is not None:
                 self._ahead = self._launch_ahead(pending, rows)
+            elif self._prompts_next(pending):  # the waiting prompts' prefill, launched as well before the read-back
+                batch = self.scheduler.schedule_prompts()
+                if batch is not None:
+                    self._ahead = self._launch(batch, time.perf_counter_ns() if self.observers else 0)
+                    self._ahead_while_waiting = 0
             self._complete(pending)
             return seqs
         except Exception as e:  # noqa: BLE001 - the step's requests end with the error, the engine goes on
@@ -519,6 +524,15 @@ class Engine:
         if not rows or not all(s.block_table.ensure(s.num_tokens + (row is not None)) for s, row in rows):
             return None
         return rows
+
+    def _prompts_next(self, p: "_Pending") -> bool:
+        """Whether the step after `p` is, by the prefill-first policy, a prefill of waiting prompts alone, which
+        needs nothing of p's tokens: requests wait, lookahead is on, and every running sequence decodes next (none
+        is a prompt being chunked)."""
+        if not self.lookahead or self.scheduler.mixed_steps or not self.scheduler.waiting:
+            return False
+        in_p = {id(s) for s in p.batch.sampled}
+        return all(id(s) in in_p or s.decoding for s in self.scheduler.running)
 
     def _complete(self, p: "_Pending") -> None:
         """Read the step's tokens back (the one sync per step) and append them."""

@@ -144,6 +144,17 @@ class Scheduler:
         sampled = [s for s, n in zip(seqs, lens) if s.num_cached + n == s.num_tokens]
         return ScheduledBatch(seqs, lens, decodes < len(seqs), sampled, decodes)
 
+    def schedule_prompts(self) -> ScheduledBatch | None:
+        """A step of waiting prompts alone, in the whole budget: what the prefill-first policy runs next when no
+        prompt is being chunked, for the engine to launch while the step before it still runs. None if none
+        fits (for lack of a sequence slot or blocks)."""
+        seqs, lens = [], []
+        self._admit(self.max_num_batched_tokens, seqs, lens)
+        if not seqs:
+            return None
+        sampled = [s for s, n in zip(seqs, lens) if s.num_cached + n == s.num_tokens]
+        return ScheduledBatch(seqs, lens, True, sampled, 0)
+
     def _take_running(self, candidates: list[Sequence], budget: int, seqs: list, lens: list) -> int:
         """Schedule running sequences' next tokens (preempting the newest when blocks run out); the budget left."""
         for seq in candidates:
