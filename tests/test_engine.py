@@ -144,14 +144,16 @@ def test_lookahead_gives_the_same_tokens(save_tiny):
     assert ahead.pool.num_free_blocks == ahead.pool.num_blocks
 
 
-def test_lookahead_through_arrivals_finishes_and_chunked_prompts(save_tiny, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_lookahead_through_arrivals_finishes_and_chunked_prompts(save_tiny, monkeypatch, device):
     """A server's traffic: requests arriving while others run, each finishing at its own length, a prompt longer
     than a step's budget (chunked), one with penalties (its next draw needs the host). The steps launched ahead
     take some rows' tokens from the device and others' from the host, or leave out the rows that finish; new
     prompts' prefills are launched before the step before them is read back; every request gets exactly the
-    tokens it gets step by step."""
+    tokens it gets step by step (on a GPU, through the decode graphs)."""
     directory, _ = save_tiny(initializer_range=0.2)
-    kw = dict(device="cpu", dtype=torch.float32, kv_cache_tokens=1024, block_size=4, max_num_batched_tokens=32)
+    kw = dict(device=device, dtype=torch.float32, kv_cache_tokens=1024, block_size=4, max_num_batched_tokens=32)
     plain = Engine.from_pretrained(directory, lookahead=False, **kw)
     ahead = Engine.from_pretrained(directory, lookahead=True, **kw)
     arrivals = {0: [([3, 1, 4], dict(max_tokens=12)), ([1, 5, 9, 2, 6], dict(max_tokens=7))],
