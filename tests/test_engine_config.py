@@ -80,12 +80,17 @@ def test_choose_plan_follows_the_config_on_the_cpu():
     assert not (plan.kernels or plan.cuda_graphs or plan.pdl or plan.stream_gemv or plan.lookahead)
     assert choose_plan(EngineConfig(lookahead=True), cpu, "bfloat16", "bfloat16").lookahead
     assert plan.eager() == plan and plan.describe()["decode_attention"]["long_splits"] == 48
+    assert not choose_plan(EngineConfig(), cpu, "bfloat16", "float8_e4m3fn").decode_attention.fp8_cuda
 
 
 def test_plan_decode_attention_and_tiles():
     attention = DecodeAttentionPlan(short_context=100, short_splits=4, short_block_n=32, long_splits=7)
     assert attention.for_step(1, 100) == (4, 32) and attention.for_step(1, 101) == (7, None)
     assert attention.for_step(2, 10) == attention.for_step(2, 10 ** 5) == (None, attention.batch_block_n)
+    cuda_fp8 = DecodeAttentionPlan(short_context=100, short_splits=4, short_block_n=32, long_splits=7, fp8_cuda=True)
+    assert cuda_fp8.for_step(1, 100) == (4, 32) and cuda_fp8.for_step(1, 101) == (None, None)  # its own splits
+    assert not cuda_fp8.uses_fp8_cuda(1, 100) and cuda_fp8.uses_fp8_cuda(1, 101) and cuda_fp8.uses_fp8_cuda(8, 10)
+    assert not attention.uses_fp8_cuda(8, 10)
     from llm_anatomy.kernels.gemv import DEFAULT_TILE, Tile
 
     key = (80, 1024, False, "bfloat16")

@@ -165,3 +165,42 @@ def test_fp8_tile_words_convert_every_e4m3_byte_exactly():
         convert[(1,)](raw.view(FP8), got, WORDS=words)
         nan = want.isnan()
         assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)) and got[nan].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper GPU")
+def test_the_engine_hands_its_fp8_cache_to_the_cuda_kernel_as_to_the_triton_one(save_tiny):
+    """The engine's decode steps over an fp8 cache (bf16, head_dim 128: the CUDA kernel's case): a batch of three
+    at short contexts and one sequence past short_context, each step's logits with the plan's CUDA kernel against
+    the same step with the Triton kernel (the plan's fp8_cuda off), eager, over the same cache. What is checked is
+    what the engine gives the kernel (strides, tables, lengths, splits); the kernels themselves have their own
+    tests (tests/test_fp8_decode_attention.py)."""
+    from dataclasses import replace
+
+    from llm_anatomy import Engine
+    from llm_anatomy.engine.runner import ModelRunner
+    from llm_anatomy.engine.scheduler import ScheduledBatch
+
+    directory, _ = save_tiny(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                             head_dim=128, num_hidden_layers=2, initializer_range=0.2, max_position_embeddings=4096,
+                             shard=None)
+    engine = Engine.from_pretrained(directory, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=6144,
+                                    max_num_seqs=4, kv_cache_dtype="fp8", cuda_graphs=False, lookahead=False)
+    assert engine.plan.decode_attention.fp8_cuda
+    g = torch.Generator().manual_seed(0)
+    attention = engine.plan.decode_attention
+    runners = {cuda: ModelRunner(engine.model, engine.pool, engine.device,
+                                 replace(engine.plan, decode_attention=replace(attention, fp8_cuda=cuda)))
+               for cuda in (True, False)}
+    for lengths in ((40, 17, 5), (2100,)):
+        params = engine.sampling_params(temperature=0, max_tokens=64, ignore_eos=True)
+        seqs = [engine.add_request(torch.randint(0, 1000, (n,), generator=g).tolist(), params) for n in lengths]
+        for _ in range(3):  # the prefill, then decode steps: contexts past a tile
+            engine.step()
+        batch = ScheduledBatch(seqs, [1] * len(seqs), False, seqs, len(seqs))
+        assert runners[True].prepare(batch)[2].decode_fp8_cuda
+        got, want = (runners[cuda].run(batch).float() for cuda in (True, False))
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+        for s in seqs:
+            engine.abort(s)

@@ -101,7 +101,8 @@ class GraphRunner:
         short = plan.decode_attention
         for b in reversed(decode_batch_sizes(self.max_batch)):
             splits, block_n = short.for_step(b, short.short_context + 1)
-            self.decode_graphs[b] = self._capture(self._decode_forward(plan, b, splits, block_n))
+            self.decode_graphs[b] = self._capture(self._decode_forward(plan, b, splits, block_n,
+                                                                       short.uses_fp8_cuda(b, short.short_context + 1)))
             if b == 1:
                 self.short_graphs[b] = self._capture(self._decode_forward(plan, b, short.short_splits,
                                                                           short.short_block_n))
@@ -129,10 +130,11 @@ class GraphRunner:
             self._mempool = self._mempool or graph.pool()
         return graph, out
 
-    def _decode_forward(self, plan: ExecutionPlan, b: int, splits: int | None = None, block_n: int | None = None):
+    def _decode_forward(self, plan: ExecutionPlan, b: int, splits: int | None = None, block_n: int | None = None,
+                        fp8_cuda: bool = False):
         """The batch-b decode step over the fixed buffers (attention as the arguments say), logits out."""
         batch = AttentionBatch(self.pool.k, self.pool.v, self.slots[:b], False, self.tables[:b], self.lens[:b],
-                               decode_splits=splits, decode_block_n=block_n)
+                               decode_splits=splits, decode_block_n=block_n, decode_fp8_cuda=fp8_cuda)
         return lambda: self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], batch, plan), plan)
 
     def _capture_prefill(self, plan: ExecutionPlan, max_tokens: int) -> None:

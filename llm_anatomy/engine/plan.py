@@ -28,22 +28,30 @@ class DecodeAttentionPlan:
     their partials, so batch 1 runs a second configuration up to `short_context`: `short_splits` splits of
     `short_block_n`-token tiles. Beyond it batch 1 takes `long_splits` splits (about two programs per
     multiprocessor on an H100/H200); batches take the kernel's default splits (None) over `batch_block_n`-token
-    tiles. The figures that chose these are in benchmarks/README.md."""
+    tiles. An fp8 cache is read by the CUDA kernel (`fp8_cuda`, kernels/fp8_decode_attention.py) where the
+    device has one, except at batch 1's short contexts (where the Triton kernel's launch overlaps the GEMV after
+    it): its splits are a warp each, so at batch 1 it takes its own default (a warp-sized count, not
+    long_splits). The figures that chose these are in benchmarks/README.md."""
     short_context: int = 2048
     short_splits: int = 16
     short_block_n: int = 64
     long_splits: int = 48
     batch_block_n: int = 64
+    fp8_cuda: bool = False
 
     def is_short(self, batch_size: int, longest_context: int) -> bool:
         return batch_size == 1 and longest_context <= self.short_context
+
+    def uses_fp8_cuda(self, batch_size: int, longest_context: int) -> bool:
+        """Whether a decode step's attention over an fp8 cache runs the CUDA kernel (else Triton's)."""
+        return self.fp8_cuda and not self.is_short(batch_size, longest_context)
 
     def for_step(self, batch_size: int, longest_context: int) -> tuple[int | None, int | None]:
         """(splits, tile) of a decode step's attention, None for the kernel's defaults."""
         if self.is_short(batch_size, longest_context):
             return self.short_splits, self.short_block_n
         if batch_size == 1:
-            return self.long_splits, None
+            return (None if self.fp8_cuda else self.long_splits), None
         return None, self.batch_block_n
 
 
@@ -116,8 +124,14 @@ def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, k
         from ..kernels.stream_gemv import available
 
         stream = available(device)
+    fp8_cuda = False
+    if kernels and cuda and kv_cache_dtype == "float8_e4m3fn":
+        from ..kernels.fp8_decode_attention import available as fp8_attention_available
+
+        fp8_cuda = fp8_attention_available(device)
     return ExecutionPlan(kernels=kernels, cuda_graphs=graphs, pdl=pdl, stream_gemv=stream, norm_in_gemv=stream,
                          residual_in_gemm=kernels, lookahead=cuda if config.lookahead is None else config.lookahead,
+                         decode_attention=DecodeAttentionPlan(fp8_cuda=fp8_cuda),
                          weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)
 
 

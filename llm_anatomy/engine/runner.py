@@ -105,8 +105,8 @@ class ModelRunner:
         ends = torch.tensor(batch.query_lens).cumsum(0) - 1
         last = ends[[i for i, s in enumerate(batch.seqs) if id(s) in sampled]]
         longs = torch.cat([torch.tensor(input_ids, dtype=torch.int64), *positions, *slots, last])
-        splits, block_n = (None, None) if batch.is_prefill else \
-            self.plan.decode_attention.for_step(seqs, int(ints[:seqs].max()))
+        longest = int(ints[:seqs].max())
+        splits, block_n = (None, None) if batch.is_prefill else self.plan.decode_attention.for_step(seqs, longest)
         self._turns["step"] ^= 1
         longs, ints = self._upload(longs), self._upload(ints)
         n_ids = 0 if ahead else tokens
@@ -118,6 +118,8 @@ class ModelRunner:
             context_lens=ints[:seqs],
             query_lens=tuple(batch.query_lens), prefix_lens=tuple(prefix_lens), num_decodes=batch.num_decodes,
             decode_splits=splits, decode_block_n=block_n,
+            decode_fp8_cuda=self.plan.decode_attention.uses_fp8_cuda(batch.num_decodes if batch.is_prefill else seqs,
+                                                                    longest),
         )
         return longs[:n_ids], longs[n_ids:n_ids + tokens], attn, longs[n_ids + 2 * tokens:]
 

@@ -19,19 +19,22 @@ Numerics as the Triton fp8 path: the bf16 query in fp16, the cache values exact 
 float32 (exp2 with log2(e) folded into the scale), the probabilities in fp16 for the second MMA. With one split the
 kernel writes the output (bf16); with several it writes the partials the Triton merge kernel reads, and that merge
 runs after it. The layout maps are written out below as small Python functions that the kernel's indexing mirrors
-(tests/test_fp8_decode_attention.py emulates the fragments with them).
+(tests/test_fp8_decode_attention.py emulates the fragments with them). An engine's plan chooses it for an fp8 cache
+(engine/plan.py, DecodeAttentionPlan.fp8_cuda); the figures are in benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+from functools import cache
 
 import torch
 import triton
 
 from . import sm_count
 from .cuda import compile_kernel, launch
-from .decode_attention import _decode_attention_merge_kernel, default_splits, merge_chunks, merge_warps
+from .decode_attention import _decode_attention_merge_kernel, merge_chunks, merge_warps
 
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads of a KV head: the MMA's n
@@ -47,8 +50,9 @@ MIN_BLOCKS = 3  # blocks a multiprocessor must fit (__launch_bounds__): 3 of TIL
 # multiprocessor leave this kernel 8 warps a multiprocessor at batch 1 (and fewer for batches that default_splits
 # gives one split), too few loads in flight to read at full bandwidth. `warp_splits` aims at WARPS_PER_SM instead,
 # without cutting a context into splits shorter than MIN_SPLIT_TOKENS (each split's partials cost the merge). The
-# entry point's default stays default_splits (paged_decode_attention's semantics); a caller passes warp_splits.
-WARPS_PER_SM, MIN_SPLIT_TOKENS, MAX_SPLITS = 16, 128, 256
+# entry point's default (splits=None) is warp_splits' count for any context; short contexts past it find their
+# splits empty, which leave at once, and the merge reads only the splits that hold tokens.
+WARPS_PER_SM, MIN_SPLIT_TOKENS, MAX_SPLITS = 16, 128, 128
 
 
 def warp_splits(batch: int, n_kv_heads: int, sm_count: int, context: int) -> int:
@@ -339,6 +343,26 @@ fp8_decode_attention(const unsigned short* q, const unsigned char* k_cache, cons
 """
 
 
+log = logging.getLogger("llm_anatomy")
+
+
+@cache
+def _compiles(device_index: int) -> bool:
+    try:
+        with torch.cuda.device(device_index):
+            compile_kernel(source(4, True), "fp8_decode_attention", device_index, 0)
+    except Exception as e:  # no NVRTC in this PyTorch build: the Triton kernel reads the fp8 cache
+        log.warning("the fp8 decode attention did not compile (%s); the Triton kernel serves", str(e).splitlines()[0])
+        return False
+    return True
+
+
+def available(device: torch.device) -> bool:
+    """Whether this kernel runs on the device: a Hopper or later GPU where NVRTC compiles it (checked once)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            and _compiles(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 def source(group: int, direct: bool, tiles: int = TILES, prefetch: bool = PREFETCH, min_blocks: int = MIN_BLOCKS) -> str:
     defines = (f"#define GROUP {group}\n#define DIRECT {int(direct)}\n#define TILES {tiles}\n#define TOKENS {16 * tiles}\n"
                f"#define PREFETCH {int(prefetch)}\n#define MIN_BLOCKS {min_blocks}\n#define WARPS {WARPS}\n"
@@ -386,7 +410,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """decode_attention.paged_decode_attention for a bf16 query over an fp8 e4m3 cache (see `unsupported` for the
     rest it needs; otherwise ValueError): q [B, H, 128]; k/v_cache one layer's [pages, page_size, KVH, 128];
     block_tables [B, max_pages] int32; context_lens [B] int32 (0: a padded row, zeros out) -> [B, H, 128] bf16.
-    Splits as there (None: default_splits), partials merged by its merge kernel; `pdl`, `launch_first` as there.
+    Splits as there (None: warp_splits' count for any context: a warp each), partials merged by its merge kernel;
+    `pdl`, `launch_first` as there.
     tiles, prefetch, min_blocks: the kernel's variant (TILES, PREFETCH, MIN_BLOCKS say what they are)."""
     reason = unsupported(q, k_cache, v_cache, block_tables, context_lens)
     if reason:
@@ -394,7 +419,7 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     batch, n_heads, head_dim = q.shape
     n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = n_heads // n_kv_heads
-    splits = splits or default_splits(batch, n_kv_heads, sm_count(q.device))
+    splits = splits or warp_splits(batch, n_kv_heads, sm_count(q.device), MAX_SPLITS * MIN_SPLIT_TOKENS)
     direct = splits == 1
     out = torch.empty(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
     acc = torch.empty(0 if direct else batch * n_heads * splits * head_dim, dtype=torch.float32, device=q.device)

@@ -18,6 +18,7 @@ from .attention import AttentionBatch, attend, prefill_step_attention
 from .config import ModelConfig
 
 try:  # the fast path's kernels; without Triton the model runs the PyTorch path only
+    from ..kernels import fp8_decode_attention as fp8_attention
     from ..kernels import gemv, matmul, norm, stream_gemv
     from ..kernels.activation import silu_mul
     from ..kernels.decode_attention import paged_decode_attention
@@ -242,6 +243,11 @@ class Attention(nn.Module):
         width = self.num_heads * self.head_dim
 
         def decode(q, k_cache, v_cache, block_tables, context_lens, splits=None, block_n=None):
+            # An fp8 cache's CUDA kernel is launched without PDL: its PDL launch has a GPU test that has not run yet
+            if batch.decode_fp8_cuda and fp8_attention.unsupported(q, k_cache, v_cache, block_tables,
+                                                                   context_lens) is None:
+                return fp8_attention.fp8_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                          splits=splits)
             return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, splits=splits,
                                           block_n=block_n, pdl=plan.pdl,
                                           launch_first=plan.streams(q.shape[0], width, q.dtype))
