@@ -8,7 +8,7 @@ CUDA cannot fork) from an EngineSpec; tests that build an Engine in their own pr
 same core on a thread of that process (`run_core`). Either way the two sides speak over the same two pipes
 (loop.py is the HTTP side):
 
-  HTTP -> core  ("add", id, Request, Marks, prompt token ids, prompt text, SamplingParams), ("abort", id),
+  HTTP -> core  ("add", CallSpec), ("abort", id),
                 ("want", id) (build this anatomy next), None (stop once what runs has finished)
   core -> HTTP  ("progress", stage) while the engine loads, then ("ready", EngineInfo) or ("failed", why);
                 ("step", outputs, failures, Gauges): one message per step for all its calls;
@@ -120,8 +120,9 @@ class Gauges:
 
 
 @dataclass
-class CoreCall:
-    """One request, on the core's side."""
+class CallSpec:
+    """A checked, tokenized request: what both sides hold of a call, and what the HTTP side sends the core of it
+    (("add", CallSpec), pickled)."""
 
     id: str
     request: Request
@@ -129,6 +130,16 @@ class CoreCall:
     prompt_token_ids: list[int]
     prompt_text: str | None
     params: SamplingParams
+
+    def spec(self) -> "CallSpec":
+        """This call's CallSpec alone (a subclass's own state, e.g. the HTTP side's mailbox, stays home)."""
+        return CallSpec(self.id, self.request, self.marks, self.prompt_token_ids, self.prompt_text, self.params)
+
+
+@dataclass
+class CoreCall(CallSpec):
+    """One request, on the core's side."""
+
     seq: Sequence | None = None
     done: bool = False  # its last output or error is sent
     sent_tokens: int = 0  # output tokens the HTTP side has been told of
@@ -242,11 +253,11 @@ class EngineCore:
                 if not self.engine.has_work():
                     return False
                 continue
-            what, call_id = item[0], item[1]
+            what = item[0]
             if what == "want":
-                self.builder.want(call_id)
+                self.builder.want(item[1])
                 continue
-            call = CoreCall(*item[1:]) if what == "add" else self._calls.get(call_id)
+            call = CoreCall(**vars(item[1])) if what == "add" else self._calls.get(item[1])
             if call is None:  # an abort for a call already over
                 continue
             try:

@@ -27,12 +27,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
-from ..engine.sampling import SamplingParams, seed_for_choice
+from ..engine.sampling import seed_for_choice
 from ..errors import AnatomyError, RequestError
 from ..probe.call import Marks
 from ..prompt import render_prompt
 from . import core
-from .core import UNHEALTHY_AFTER_FAILED_STEPS, CoreOptions, EngineInfo, EngineSpec, Gauges, Sender
+from .core import UNHEALTHY_AFTER_FAILED_STEPS, CallSpec, CoreOptions, EngineInfo, EngineSpec, Gauges, Sender
 from .errors import APIError, unavailable
 from .metrics import Metrics
 from .protocol import Request
@@ -90,15 +90,9 @@ def _wake(waiter: asyncio.Future) -> None:
 
 
 @dataclass
-class Call:
+class Call(CallSpec):
     """One request in flight, on the HTTP side."""
 
-    id: str
-    request: Request
-    marks: Marks
-    prompt_token_ids: list[int]
-    prompt_text: str | None
-    params: SamplingParams
     owner: str | None = None  # the salted hash of the API key that made it (None without keys)
     events: Mailbox = field(default_factory=Mailbox)
     text: str = ""  # the output so far, put together from the core's deltas
@@ -270,8 +264,7 @@ class EngineClient:
         if self.error is not None:
             raise unavailable(f"the engine stopped: {self.error}")
         self._calls[call.id] = call
-        self._outbox.put(("add", call.id, call.request, call.marks, call.prompt_token_ids, call.prompt_text,
-                          call.params))
+        self._outbox.put(("add", call.spec()))
 
     def abort(self, call: Call) -> None:
         """The client went away: stop decoding for it and free its KV blocks (in the core)."""
