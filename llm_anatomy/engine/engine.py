@@ -23,7 +23,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
 from .events import Observer, Step
 from .graphs import PREFILL_GRAPH_TOKENS, GraphRunner
-from .kv_cache import BlockTable, KVCachePool
+from .kv_cache import BlockTable, KVCachePool, blocks_for
 from .plan import choose_plan
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams, logprobs_of
@@ -138,7 +138,7 @@ class Admission:
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
                 param="max_tokens" if len(ids) < self.max_model_len else "prompt")
-        if -(-(len(ids) + params.max_tokens) // self.block_size) > self.num_blocks:
+        if blocks_for(len(ids) + params.max_tokens, self.block_size) > self.num_blocks:
             raise RequestError(
                 f"the prompt plus max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the pool holds "
                 f"{self.capacity_tokens}; lower max_tokens or give the KV cache more memory", param="max_tokens")
@@ -313,7 +313,7 @@ class Engine:
     def _kv_blocks(self, kv_cache_tokens: int | None, gpu_memory_utilization: float) -> int:
         bytes_per_block = self.config.kv_bytes_per_token(self.kv_dtype) * self.block_size
         if kv_cache_tokens is not None:
-            return -(-kv_cache_tokens // self.block_size)
+            return blocks_for(kv_cache_tokens, self.block_size)
         if self.device.type == "cuda":
             activation_peak = self._measure_activation_peak()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -322,14 +322,14 @@ class Engine:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(1 << 30, available // 8)
         blocks = int(budget // bytes_per_block)
-        full = -(-self.max_model_len // self.block_size) * self.max_num_seqs  # never more than all seqs at full context
+        full = blocks_for(self.max_model_len, self.block_size) * self.max_num_seqs  # never more than all seqs at full context
         return max(1, min(blocks, full))
 
     @torch.inference_mode()
     def _measure_activation_peak(self) -> int:
         """Peak bytes a prefill of max_num_batched_tokens needs beyond the weights (warm-up run, temporary pool)."""
         tokens = self.max_num_batched_tokens
-        pool = KVCachePool(self.config, -(-tokens // self.block_size), self.block_size, self.kv_dtype, self.device)
+        pool = KVCachePool(self.config, blocks_for(tokens, self.block_size), self.block_size, self.kv_dtype, self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)

@@ -14,6 +14,11 @@ from ..errors import RequestError
 from ..models.config import ModelConfig
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens that hold `tokens` tokens."""
+    return -(-tokens // block_size)
+
+
 class KVCachePool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
@@ -43,7 +48,7 @@ class KVCachePool:
         return len(self._free)
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return blocks_for(tokens, self.block_size)
 
     def can_allocate(self, blocks: int) -> bool:
         return blocks <= len(self._free)
