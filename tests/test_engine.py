@@ -186,6 +186,23 @@ def test_lookahead_through_arrivals_finishes_and_chunked_prompts(save_tiny, monk
     assert ahead.pool.num_free_blocks == ahead.pool.num_blocks
 
 
+def test_lookahead_runs_the_steps_that_prefill_first_runs(save_tiny, monkeypatch):
+    """Launching ahead changes when a step is launched, never which steps run: many prompts at once are prefilled
+    in full steps before any decode (no decode steps of a half-admitted batch in between), then decoded together."""
+    directory, _ = save_tiny(initializer_range=0.2)
+    kw = dict(device="cpu", dtype=torch.float32, kv_cache_tokens=2048, block_size=4, max_num_batched_tokens=16)
+    prompts = [[3 + i, 1, 4, 1, 5] for i in range(12)]  # 3 a prefill step, then decodes of all 12
+    shapes = {}
+    for lookahead in (False, True):
+        engine = Engine.from_pretrained(directory, lookahead=lookahead, **kw)
+        seen, run = [], engine.runner.run
+        monkeypatch.setattr(engine.runner, "run", lambda batch, ahead=None, run=run, seen=seen:
+                            seen.append((batch.is_prefill, len(batch.seqs))) or run(batch, ahead))
+        engine.generate_many(prompts, temperature=0, max_tokens=6, ignore_eos=True)
+        shapes[lookahead] = seen
+    assert shapes[True] == shapes[False] == [(True, 3)] * 4 + [(False, 12)] * 5
+
+
 def test_lookahead_recorder_sees_every_step(save_tiny):
     from llm_anatomy.anatomy import Ceilings
     from llm_anatomy.probe.call import CallRequest, measure_call

@@ -32,10 +32,6 @@ from .tuning import TileTuning, tune_gemv_tiles
 
 log = logging.getLogger("llm_anatomy")
 
-# While requests wait for admission, up to this many decode steps are still launched ahead before a step is
-# scheduled that admits them: each waits at most that long, and a prefill takes several arrivals at once.
-AHEAD_WHILE_WAITING = 4
-
 
 @dataclass(frozen=True)
 class GenerationDefaults:
@@ -227,7 +223,6 @@ class Engine:
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._ahead: _Pending | None = None
-        self._ahead_while_waiting = 0  # decode steps launched ahead since requests began to wait (_ahead_rows)
         if device.type == "cuda":  # two steps' sampled tokens can be in flight at once
             self._host_tokens = torch.zeros(2, max(cfg.max_num_seqs, 1), dtype=torch.int64).pin_memory()
             self._host_flip = 0
@@ -411,16 +406,17 @@ class Engine:
                     return []
                 seqs = batch.seqs
                 pending = self._launch(batch, t_start)
-                self._ahead_while_waiting = 0  # a scheduled step: waiting requests were admitted if they fit
             seqs = pending.batch.seqs
-            rows = self._ahead_rows(pending)
-            if rows is not None:
-                self._ahead = self._launch_ahead(pending, rows)
-            elif self._prompts_next(pending):  # the waiting prompts' prefill, launched as well before the read-back
+            # The step after `pending`, launched before its tokens are read back where it needs none of them: the
+            # waiting prompts' prefill (prefill first), else the next decode step
+            if self._prompts_next(pending):
                 batch = self.scheduler.schedule_prompts()
                 if batch is not None:
                     self._ahead = self._launch(batch, time.perf_counter_ns() if self.observers else 0)
-                    self._ahead_while_waiting = 0
+            if self._ahead is None:
+                rows = self._ahead_rows(pending)
+                if rows is not None:
+                    self._ahead = self._launch_ahead(pending, rows)
             self._complete(pending)
             return seqs
         except Exception as e:  # noqa: BLE001 - the step's requests end with the error, the engine goes on
@@ -452,8 +448,6 @@ class Engine:
         from the device."""
         seqs = [s for s, _ in rows]
         ahead = self.runner.ahead_inputs(seqs, [row for _, row in rows], previous.tokens)
-        if self.scheduler.waiting:
-            self._ahead_while_waiting += 1
         step = None
         if self.observers:
             now = time.perf_counter_ns()
@@ -500,11 +494,12 @@ class Engine:
         host has it, it was not in p), their cache blocks held now. Those whose token from p is their last (a
         length limit) are left out: they finish when p completes. None when the next step must be scheduled:
         lookahead off, a prompt being chunked, a sequence whose next draw needs p's token on the host (penalties'
-        counts, min_tokens' bans), blocks short, or requests waiting for admission that have waited
-        AHEAD_WHILE_WAITING such steps already."""
+        counts, min_tokens' bans), blocks short, or requests waiting under mixed steps (which admit them into
+        the decode step). (Under prefill first, waiting prompts that fit are launched ahead before this is asked;
+        those that do not wait for the step after.)"""
         if not self.lookahead or p.tokens is None:
             return None
-        if self.scheduler.waiting and self._ahead_while_waiting >= AHEAD_WHILE_WAITING:
+        if self.scheduler.waiting and self.scheduler.mixed_steps:
             return None
         in_p = {id(s): row for row, s in enumerate(p.batch.sampled)}
         rows = []
