@@ -39,7 +39,7 @@ TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "voc
 class FreeRunner:
     """Stands in for the model runner: no forward at all (the sampler below makes the tokens)."""
 
-    def run(self, batch, ahead_tokens=None):
+    def run(self, batch, ahead=None):
         return None
 
 
