@@ -186,6 +186,38 @@ def test_lookahead_through_arrivals_finishes_and_chunked_prompts(save_tiny, monk
     assert ahead.pool.num_free_blocks == ahead.pool.num_blocks
 
 
+def test_lookahead_under_preemption_and_aborts(save_tiny):
+    """A pool too small for what is admitted (sequences preempted and recomputed), requests aborted mid-way, many
+    arrivals: with lookahead every request that is not aborted gets the tokens it gets step by step, and the pool
+    is whole at the end."""
+    directory, _ = save_tiny(initializer_range=0.2)
+    kw = dict(device="cpu", dtype=torch.float32, kv_cache_tokens=96, block_size=4, max_num_seqs=6,
+              max_num_batched_tokens=24)
+    g = torch.Generator().manual_seed(5)
+    arrivals = {step: [(torch.randint(1, 200, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist(),
+                        int(torch.randint(3, 20, (1,), generator=g)))]
+                for step in range(0, 40, 2)}
+    aborted = {7: 1, 15: 4, 23: 9}  # at step: the index of the request to abort
+
+    def serve(engine):
+        seqs, step = [], 0
+        while step <= max(arrivals) or engine.has_work():
+            for ids, n in arrivals.get(step, []):
+                seqs.append(engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=n,
+                                                                           ignore_eos=True)))
+            if step in aborted and aborted[step] < len(seqs):
+                engine.abort(seqs[aborted[step]])
+            engine.step()
+            step += 1
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+        return {i: s.output_token_ids for i, s in enumerate(seqs) if i not in aborted.values()}, \
+            sum(s.num_preemptions for s in seqs)
+
+    (plain, _), (ahead, preempted) = (serve(Engine.from_pretrained(directory, lookahead=la, **kw))
+                                      for la in (False, True))
+    assert ahead == plain and preempted > 0
+
+
 def test_lookahead_runs_the_steps_that_prefill_first_runs(save_tiny, monkeypatch):
     """Launching ahead changes when a step is launched, never which steps run: many prompts at once are prefilled
     in full steps before any decode (no decode steps of a half-admitted batch in between), then decoded together."""
