@@ -61,7 +61,7 @@ class EngineConfig:
     pdl: bool = True
     stream_gemv: bool = True
     mixed_steps: bool = False  # decode the running sequences in every step, prompts filling the rest
-    lookahead: bool | None = None  # launch decode step n+1 before reading step n's tokens; None: on CUDA
+    lookahead: bool | None = None  # launch step n+1 (a prefill or decode) before reading step n's tokens; None: on CUDA
 
     def __post_init__(self) -> None:
         for name in ("model", "weights"):

@@ -229,8 +229,9 @@ class Engine:
 
     @property
     def lookahead(self) -> bool:
-        """Launch decode step n+1 before reading step n's tokens back, so the host's work (detokenizing, stop
-        checks, scheduling) overlaps the device's. Pays only where the device runs asynchronously."""
+        """Launch step n+1 (the waiting prompts' prefill, or the next decode) before reading step n's tokens back,
+        so the host's work (detokenizing, stop checks, scheduling) overlaps the device's. Pays only where the
+        device runs asynchronously."""
         return self.plan.lookahead
 
     @contextlib.contextmanager

@@ -68,7 +68,7 @@ class ExecutionPlan:
     # Prefill's products that feed the residual stream (o_proj, down_proj) add into it in cuBLAS's epilogue
     # (beta = 1), so that the norm after them reads one tensor and writes one instead of two of each.
     residual_in_gemm: bool = False
-    lookahead: bool = False  # launch decode step n+1 before reading step n's tokens back
+    lookahead: bool = False  # launch step n+1 (a prefill or decode) before reading step n's tokens back
     gemv_tiles: Mapping = field(default_factory=lambda: MappingProxyType({}))  # tile_key -> Tile (tuning.py)
     decode_attention: DecodeAttentionPlan = DecodeAttentionPlan()
     weight_dtype: str = "bfloat16"  # the linear layers' weights: the model dtype, or "float8_e4m3fn"

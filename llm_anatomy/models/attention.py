@@ -31,7 +31,8 @@ class AttentionBatch:
     # The fast path's decode attention: context splits and tile, None for its defaults (see plan.DecodeAttentionPlan)
     decode_splits: int | None = None
     decode_block_n: int | None = None
-    decode_fp8_cuda: bool = False  # an fp8 cache's decode attention in the CUDA kernel (DecodeAttentionPlan.uses_fp8_cuda)
+    # an fp8 cache's decode attention in the CUDA kernel (DecodeAttentionPlan.uses_fp8_cuda)
+    decode_fp8_cuda: bool = False
     _groups: tuple | None = field(default=None, repr=False, compare=False)  # fresh_groups, once a step
     _prefill: "AttentionBatch | None" = field(default=None, repr=False, compare=False)  # prefill_part, once a step
 
