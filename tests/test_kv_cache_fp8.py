@@ -195,7 +195,7 @@ def test_the_engine_hands_its_fp8_cache_to_the_cuda_kernel_as_to_the_triton_one(
                for cuda in (True, False)}
     for lengths in ((40, 17, 5), (2100,)):
         params = engine.sampling_params(temperature=0, max_tokens=64, ignore_eos=True)
-        seqs = [engine.add_request(torch.randint(0, 1000, (n,), generator=g).tolist(), params) for n in lengths]
+        seqs = [engine.add_request(torch.randint(0, 500, (n,), generator=g).tolist(), params) for n in lengths]
         for _ in range(3):  # the prefill, then decode steps: contexts past a tile
             engine.step()
         batch = ScheduledBatch(seqs, [1] * len(seqs), False, seqs, len(seqs))
