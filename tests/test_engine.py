@@ -1,6 +1,7 @@
 """The engine's request handling: validation before work, stop conditions, seeds, generation defaults."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -376,3 +377,49 @@ def test_a_decode_steps_graph_inputs_are_each_sequences_token_position_slot_and_
         assert stage[:, 2].tolist() == [0, 0, -1] and lens[2] == 0 and stage[0, 3] == 7  # padded; past rows untouched
     for s in seqs:
         engine.abort(s)
+
+
+def test_block_table_rows_follow_the_batch_through_shifts_growth_and_preemption():
+    """The decode graphs' block tables (BlockTableRows, on host tensors here): after every sync each row holds
+    its sequence's blocks, while sequences finish (the rows after them shift up), arrive, gain blocks and are
+    preempted (same request, new blocks), and rows that did not change are not copied."""
+    from types import SimpleNamespace
+
+    from llm_anatomy.engine.graphs import BlockTableRows
+
+    rng = random.Random(0)
+    rows = BlockTableRows(16, 12, torch.device("cpu"))
+    next_block, next_id = iter(range(1, 10**6)), iter(range(10**6))
+
+    def fresh():
+        return SimpleNamespace(request_id=f"r{next(next_id)}", num_preemptions=0,
+                               block_table=SimpleNamespace(blocks=[next(next_block) for _ in range(rng.randint(1, 4))]))
+
+    batch = [fresh() for _ in range(10)]
+    for step in range(300):
+        for _ in range(rng.randint(0, 2)):  # finishes: the rows after shift up
+            if len(batch) > 1:
+                batch.pop(rng.randrange(len(batch)))
+        while len(batch) < 16 and rng.random() < 0.4:
+            batch.insert(rng.randrange(len(batch) + 1), fresh())
+        for s in batch:
+            if rng.random() < 0.2 and len(s.block_table.blocks) < 12:
+                s.block_table.blocks.append(next(next_block))
+            if rng.random() < 0.02:  # preempted and running again: the same request, other blocks
+                s.num_preemptions += 1
+                s.block_table.blocks = [next(next_block) for _ in range(len(s.block_table.blocks))]
+        before = rows.device_rows.clone()
+        rows.sync(batch)
+        for i, s in enumerate(batch):
+            assert rows.device_rows[i, :len(s.block_table.blocks)].tolist() == s.block_table.blocks, (step, i)
+        rows.sync(batch)  # nothing changed: nothing is written
+        after = rows.device_rows.clone()
+        rows.device_rows.fill_(-5)
+        rows.sync(batch)
+        assert (rows.device_rows == -5).all(), "a sync with nothing changed copied rows"
+        rows.device_rows.copy_(after)
+        assert before.shape == after.shape
+    rows.reset()
+    assert not rows.device_rows.any()
+    rows.sync(batch[:1])
+    assert rows.device_rows[0, :len(batch[0].block_table.blocks)].tolist() == batch[0].block_table.blocks
