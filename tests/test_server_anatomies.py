@@ -221,3 +221,19 @@ def test_many_values_histogram_exports_what_prometheus_client_would():
         one_by_one.labels("m").observe(v)
     expected = [line for line in generate_latest(reference).decode().splitlines() if "_created" not in line]
     assert generate_latest(ours).decode().splitlines() == expected
+
+
+def test_the_device_memory_census_is_taken_again_only_once_it_is_half_a_second_old(engine, tmp_path, monkeypatch):
+    """Calls finishing by the hundred a second share one census of the device's memory until it is older than
+    STATE_MAX_AGE_S; then the next call's job takes a fresh one."""
+    from llm_anatomy.probe.call import DeviceState
+    from llm_anatomy.server import anatomies
+
+    taken = []
+    real = DeviceState.of
+    monkeypatch.setattr(DeviceState, "of", classmethod(lambda cls, e: taken.append(1) or real(e)))
+    builder, _ = builder_for(engine, None)
+    first = builder._device_state()
+    assert builder._device_state() is first and len(taken) == 1
+    builder._state_at -= anatomies.STATE_MAX_AGE_S + 0.01
+    assert builder._device_state() is not first and len(taken) == 2

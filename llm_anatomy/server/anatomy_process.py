@@ -26,7 +26,8 @@ from ..engine.engine import GenerationResult
 from ..probe.call import DeviceState, EngineFacts, Marks, TelemetryWindow, build_anatomy
 from ..probe.recorder import TraceFacts
 
-SERVED_NOTES = ("Served: activation peak not measured (requests share the device).",)
+SERVED_NOTES = ("Served: activation peak not measured (requests share the device); the memory census is the "
+                "device's within half a second of the call's end.",)
 
 
 @dataclass(frozen=True)
