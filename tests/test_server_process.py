@@ -257,3 +257,33 @@ def test_on_a_gpu_the_http_process_never_touches_the_device(tmp_path):
         assert torch.cuda.is_initialized() == before  # serving did not
     finally:
         running.stop()
+
+
+def test_the_cores_sender_posts_without_waiting_for_the_reader_and_keeps_the_order():
+    """The step loop posts its messages while another thread's large message waits for a reader that is not
+    reading (the pipe full): it does not wait. Messages arrive in the order they came; one that does not pickle
+    sends nothing and is raised (at once when sent; when posted, at the next post)."""
+    import multiprocessing
+    import threading
+
+    from llm_anatomy.server.core import Sender
+
+    reading, writing = multiprocessing.Pipe(duplex=False)
+    send = Sender(writing)
+    big = threading.Thread(target=send, args=(("anatomy", b"x" * (8 << 20)),), daemon=True)  # > any pipe buffer
+    big.start()
+    t = time.monotonic()
+    for i in range(100):
+        send.post(("step", i))
+    assert time.monotonic() - t < 1.0 and big.is_alive()
+    assert reading.recv() == ("anatomy", b"x" * (8 << 20))
+    assert [reading.recv() for _ in range(100)] == [("step", i) for i in range(100)]
+    big.join(5)
+    with pytest.raises(Exception, match="pickle"):
+        send(("ready", lambda: None))
+    send.post(("step", lambda: None))
+    send(("died", "after a failed post"))  # written after it: the loop's last word still goes out
+    assert reading.recv() == ("died", "after a failed post") and not reading.poll(0.1)
+    with pytest.raises(Exception, match="pickle"):
+        send.post(("step", 1))
+    send.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import queue
 import signal
 import sys
 import threading
@@ -190,15 +191,60 @@ class OpenSteps:
 
 
 class Sender:
-    """One end of a pipe that several threads send on (the step loop, the anatomy builder's threads)."""
+    """One end of a pipe that several threads send on (the step loop, the anatomy builder's threads), written by a
+    thread of its own in the order the messages come. The step loop posts its messages and goes on: sending them
+    itself, it waited behind the builder's large anatomies whenever the HTTP side was slow to read. The others
+    wait until theirs is written."""
 
     def __init__(self, conn):
         self.conn = conn
-        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None  # why a posted message was not sent: raised to the next sender
+        self._writer = threading.Thread(target=self._write, name="llm-anatomy-core-send", daemon=True)
+        self._writer.start()
 
     def __call__(self, message) -> None:
-        with self._lock:
-            self.conn.send(message)
+        """Send `message` once what came before is sent, and wait until it is. Raises why it was not (one that
+        does not pickle sends nothing)."""
+        done = threading.Event()
+        outcome: list[BaseException] = []
+        self._queue.put((message, done, outcome))
+        done.wait()
+        if outcome:
+            raise outcome[0]
+
+    def post(self, message) -> None:
+        """Send `message` once what came before is sent, without waiting. Raises why a message posted before it
+        was not sent, once the writing thread has found out."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put((message, None, None))
+
+    def close(self) -> None:
+        """The writing thread ends after what was sent before."""
+        self._queue.put(None)
+
+    def _write(self) -> None:
+        while (item := self._queue.get()) is not None:
+            message, done, outcome = item
+            try:
+                self.conn.send(message)
+            except BaseException as e:  # noqa: BLE001 - the sender learns it (now, or at its next message)
+                if done is None:
+                    self._error = e
+                else:
+                    outcome.append(e)
+            if done is not None:
+                done.set()
+
+
+def run_with_sender(engine: Engine, options: CoreOptions, inbox, outbox) -> None:
+    """run_core from a thread of the HTTP side's process (EngineClient.in_thread), its outbox a Sender's."""
+    send = Sender(outbox)
+    try:
+        run_core(engine, options, inbox, send)
+    finally:
+        send.close()
 
 
 class EngineCore:
@@ -370,7 +416,7 @@ class EngineCore:
         for the telemetry's)."""
         gauges = self.gauges()
         if self._outputs or self._failures or gauges != self._gauges or idle:
-            self.send(("step", self._outputs, self._failures, gauges))
+            self.send.post(("step", self._outputs, self._failures, gauges))
             self._outputs, self._failures, self._gauges = [], [], gauges
 
 
@@ -436,6 +482,14 @@ def main(spec: EngineSpec, options: CoreOptions, inbox, outbox, switch_interval_
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="llm-anatomy engine: %(message)s", stream=sys.stderr)
     send = Sender(outbox)
+    try:
+        _main(spec, options, inbox, send, switch_interval_s, gc_threshold)
+    finally:
+        send.close()
+
+
+def _main(spec: EngineSpec, options: CoreOptions, inbox, send: Sender, switch_interval_s: float | None,
+          gc_threshold: int | None) -> None:
     try:
         engine = spec.build(progress=lambda stage: send(("progress", stage)))
     except Exception as e:  # noqa: BLE001 - the HTTP process says it in one line and exits

@@ -32,7 +32,7 @@ from ..errors import AnatomyError, RequestError
 from ..probe.call import Marks
 from ..prompt import render_prompt
 from . import core
-from .core import UNHEALTHY_AFTER_FAILED_STEPS, CallSpec, CoreOptions, EngineInfo, EngineSpec, Gauges, Sender
+from .core import UNHEALTHY_AFTER_FAILED_STEPS, CallSpec, CoreOptions, EngineInfo, EngineSpec, Gauges
 from .errors import APIError, unavailable
 from .metrics import Metrics
 from .protocol import Request
@@ -146,8 +146,8 @@ class EngineClient:
         client = cls(store, metrics)
         their_inbox, client._to_core = multiprocessing.Pipe(duplex=False)
         client._from_core, their_outbox = multiprocessing.Pipe(duplex=False)
-        client._worker = threading.Thread(target=core.run_core, name="llm-anatomy-engine", daemon=True,
-                                          args=(engine, options, their_inbox, Sender(their_outbox)))
+        client._worker = threading.Thread(target=core.run_with_sender, name="llm-anatomy-engine", daemon=True,
+                                          args=(engine, options, their_inbox, their_outbox))
         client._worker.start()
         return client
 
