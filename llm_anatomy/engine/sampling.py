@@ -7,6 +7,7 @@ form of sampling from probs, as in gpt-fast), so the only sync per step is the e
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -100,7 +101,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
-    @property
+    @functools.cached_property  # asked of every row of every step
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits: an argmax and nothing else."""
         return self.greedy and not self.uses_penalties and not self.logit_bias
