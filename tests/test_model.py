@@ -216,6 +216,15 @@ def test_short_fresh_prompts_of_one_bucket_are_attended_together():
     together = _prefill_attention(q, k, v, k_cache, v_cache, batch, pad=True)
     alone = _prefill_attention(q, k, v, k_cache, v_cache, batch, pad=False)
     torch.testing.assert_close(together, alone)
+    # through the runner's upload: every group's indices in one copy, the same groups
+    uploads = []
+    uploaded = AttentionBatch(k_cache, v_cache, batch.slot_mapping, True, tables, batch.context_lens, lens, prefix,
+                              upload=lambda host: uploads.append(host) or host.clone())
+    groups_up, grouped_up = uploaded.fresh_groups(q.device)
+    uploaded.fresh_groups(q.device)
+    assert len(uploads) == 1 and uploads[0].dtype == torch.int64 and grouped_up == grouped
+    assert [[x.tolist() for x in g[1:]] for g in groups_up] == [[x.tolist() for x in g[1:]] for g in groups]
+    torch.testing.assert_close(_prefill_attention(q, k, v, k_cache, v_cache, uploaded, pad=True), alone)
 
 
 def test_prompts_of_exactly_a_bucket_one_after_the_other_are_attended_in_place():

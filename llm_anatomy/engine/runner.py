@@ -27,7 +27,7 @@ class ModelRunner:
         self.graphs = graphs
         self._eager = False  # see eager()
         self._pinned: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}  # see _upload
-        self._turns = {"step": 0, "ahead": 0}  # which of a slot's two buffers is next (see _upload)
+        self._turns = {"step": 0, "ahead": 0, "groups": 0}  # which of a slot's two buffers is next (see _upload)
 
     @contextlib.contextmanager
     def eager(self):
@@ -79,6 +79,11 @@ class ModelRunner:
         up = self._upload(host, slot="ahead")
         return AheadInputs(torch.cat([tokens, up[:n]]).index_select(0, up[n:]), offsets)
 
+    def _upload_groups(self, host: torch.Tensor) -> torch.Tensor:
+        """A prefill step's grouped-attention indices (AttentionBatch.fresh_groups, at most once a step)."""
+        self._turns["groups"] ^= 1
+        return self._upload(host, slot="groups")
+
     def prepare(self, batch: ScheduledBatch, ahead: tuple[int, ...] | None = None):
         """Inputs of a step. `ahead` (AheadInputs.offsets): a decode step launched before the previous one's
         tokens reached the host, its input ids already on the device; a row with offset 1 is one position further
@@ -120,6 +125,7 @@ class ModelRunner:
             decode_splits=splits, decode_block_n=block_n,
             decode_fp8_cuda=self.plan.decode_attention.uses_fp8_cuda(batch.num_decodes if batch.is_prefill else seqs,
                                                                     longest),
+            upload=self._upload_groups,
         )
         return longs[:n_ids], longs[n_ids:n_ids + tokens], attn, longs[n_ids + 2 * tokens:]
 

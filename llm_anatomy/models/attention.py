@@ -9,6 +9,7 @@ the rest the prefill path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,9 @@ class AttentionBatch:
     decode_block_n: int | None = None
     # an fp8 cache's decode attention in the CUDA kernel (DecodeAttentionPlan.uses_fp8_cuda)
     decode_fp8_cuda: bool = False
+    # Host-to-device copy of fresh_groups' indices (the runner's pinned upload: from pageable memory a copy waits
+    # for the step in flight); None: a plain copy
+    upload: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _groups: tuple | None = field(default=None, repr=False, compare=False)  # fresh_groups, once a step
     _prefill: "AttentionBatch | None" = field(default=None, repr=False, compare=False)  # prefill_part, once a step
 
@@ -43,7 +47,7 @@ class AttentionBatch:
         the rows of q/k/v to gather into [G x R] (a prompt's padding repeats its last row: causality hides it),
         where the real rows sit in that, and their rows in the step), or (R, first row, G) for G prompts of
         exactly R tokens one after the other, already [G x R] in the step; and the sequences grouped. Computed once a
-        step (the indices go up to the device once, not once a layer)."""
+        step (the indices go up to the device once, not once a layer, all groups' in one copy through `upload`)."""
         if self._groups is None:
             by_bucket: dict[int, list[tuple[int, int, int]]] = {}
             start = 0
@@ -52,7 +56,7 @@ class AttentionBatch:
                 if prefix == 0 and rows <= GROUPED_PREFILL_MAX:
                     by_bucket.setdefault(rows, []).append((i, start, n))
                 start += n
-            groups, members = [], set()
+            groups, members, gathered = [], set(), []
             for rows, group in by_bucket.items():
                 if len(group) < 2:
                     continue
@@ -64,8 +68,17 @@ class AttentionBatch:
                 gather = [s + min(t, n - 1) for _, s, n in group for t in range(rows)]
                 real = [j * rows + t for j, (_, _, n) in enumerate(group) for t in range(n)]
                 dest = [s + t for _, s, n in group for t in range(n)]
-                groups.append((rows, *(torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
-                                       for x in (gather, real, dest))))
+                gathered.append((rows, gather, real, dest))
+            if gathered:
+                host = torch.tensor([i for _, *lists in gathered for x in lists for i in x], dtype=torch.int64)
+                flat = self.upload(host) if self.upload is not None else host.to(device, non_blocking=True)
+                at = 0
+                for rows, *lists in gathered:
+                    views = []
+                    for x in lists:
+                        views.append(flat[at:at + len(x)])
+                        at += len(x)
+                    groups.append((rows, *views))
             self._groups = (groups, frozenset(members))
         return self._groups
 
