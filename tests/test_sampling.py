@@ -120,3 +120,15 @@ def test_top_k_then_top_p_on_the_k_best():
     mixed = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.6)]
     tokens = Sampler(CPU, seed=1)(torch.tensor([probs.log().tolist()] * 2), mixed, [None, None], [None, None])
     assert tokens[0] in (0, 1) and tokens[1] in (0, 1)
+
+
+def test_a_requests_record_is_its_fields_and_gives_it_back():
+    """What an anatomy records of the sampling asked (SamplingParams.record) is its fields but `extra`, whatever was
+    computed of it since (plain_greedy, cached on first use), and passing it back gives the same parameters."""
+    from dataclasses import fields
+
+    params = SamplingParams(temperature=0, max_tokens=7, stop=("x",), logit_bias=((3, 1.5),), extra={"user": "u"})
+    assert params.plain_greedy is False  # the bias: not a bare argmax
+    record = params.record()
+    assert set(record) == {f.name for f in fields(SamplingParams)} - {"extra"}
+    assert SamplingParams(**record) == params and SamplingParams(**record).plain_greedy is False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -96,6 +96,10 @@ class SamplingParams:
         if self.logprobs is not None and not integer(self.logprobs, 0, MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in 0..{MAX_LOGPROBS} (top alternatives per token), "
                             f"got {self.logprobs!r}")
+
+    def record(self) -> dict:
+        """Its fields but `extra`, as an anatomy records what was asked (and a replay passes back in)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
 
     @property
     def greedy(self) -> bool:

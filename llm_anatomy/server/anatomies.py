@@ -261,7 +261,7 @@ class AnatomyBuilder:
                                  self.telemetry.hz if self.telemetry else 0.0)
         request = call.request
         shown = {**request.shown, "endpoint": "/v1/chat/completions" if request.chat else "/v1/completions",
-                 "sampling": {k: v for k, v in vars(call.params).items() if k != "extra"}}
+                 "sampling": call.params.record()}
         return Job(shown, result, TraceFacts.of(trace), call.marks, window, self._device_state())
 
     def _device_state(self) -> DeviceState:
