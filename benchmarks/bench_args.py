@@ -8,6 +8,12 @@ from pathlib import Path
 
 
 class Parser(argparse.ArgumentParser):
+    """One-line errors; flags spelt in full (`--out` was taken for `--output-tokens`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
 

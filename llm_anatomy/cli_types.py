@@ -17,7 +17,12 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what a torch.int64 tensor or
 
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line: "llm-anatomy call: error: --top-p must be in (0, 1], got 2.0"
-    (argparse prints the usage first, and a log then shows two lines for one mistake)."""
+    (argparse prints the usage first, and a log then shows two lines for one mistake), and flags spelt in full
+    (a prefix is an error, not a guess: `--out` must not become `--output-tokens`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # subcommands' parsers are made with this class, not its kwargs
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")

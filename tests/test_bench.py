@@ -342,6 +342,7 @@ def test_a_server_that_does_not_speak_the_api_exits_2(server, capsys):
     (["--dataset", "x.jsonl", "--input-tokens", "5"], "cannot be used with --dataset"),
     (["--api-key", " "], "--api-key is empty"),
     (["--no-such-flag"], "unrecognized arguments"),
+    (["--output", "5"], "unrecognized arguments: --output"),  # a prefix of --output-tokens is not taken for it
 ])
 def test_bad_flags_are_one_line_and_exit_2(flags, says, capsys):
     try:

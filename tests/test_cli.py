@@ -112,6 +112,8 @@ def unwritable_dir(tmp_path) -> Path:
     (["call", "hi", "--kv-cache-tokens", "0"], "--kv-cache-tokens must be >= 1, got 0"),
     (["call", "hi", "--max-tokens"], "--max-tokens: expected one argument"),
     (["call", "hi", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["call", "hi", "--temp", "0.5"], "unrecognized arguments: --temp"),  # a prefix is not a guess
+    (["serve", "--max-num", "4"], "unrecognized arguments: --max-num"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "required: COMMAND"),
 ])

@@ -23,7 +23,12 @@ HELP = "load-test any OpenAI-compatible server (vLLM, SGLang, TGI, llm-anatomy) 
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """Flag errors as one line and exit status 2 (argparse's own error prints the whole usage first)."""
+    """Flag errors as one line and exit status 2 (argparse's own error prints the whole usage first); flags spelt
+    in full (a prefix is an error, not a guess)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         print(f"llm-anatomy bench: error: {message}", file=sys.stderr)
