@@ -42,6 +42,26 @@ def checkpoint(tmp_path_factory):
     return directory
 
 
+def streamed_completion_tokens(client: openai.AsyncOpenAI, requests: list[dict]) -> list:
+    """Every request (completions.create's arguments) streamed at once through `client` (closed after): per request
+    the completion tokens of its final usage chunk, or what it raised."""
+
+    async def one(kw):
+        stream = await client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+        usage = None
+        async for c in stream:
+            usage = c.usage or usage
+        return usage.completion_tokens
+
+    async def go():
+        try:
+            return await asyncio.gather(*(one(kw) for kw in requests), return_exceptions=True)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
 class Running:
     """A server on a thread of this process, so tests can look into its engine."""
 

@@ -16,7 +16,8 @@ import torch
 from llm_anatomy import Engine
 from llm_anatomy.engine.sampling import INT64_MAX, INT64_MIN, SamplingParams, seed_for_choice
 from llm_anatomy.errors import RequestError
-from test_server import HELLO, MODEL, NO_EOS, Running, checkpoint  # noqa: F401 - checkpoint is a fixture
+from test_server import (HELLO, MODEL, NO_EOS, Running, checkpoint,  # noqa: F401 - checkpoint is a fixture
+                         streamed_completion_tokens)
 
 GOOD = {"model": MODEL, "messages": HELLO, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
 COMPLETION = {"model": MODEL, "prompt": "The KV cache", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
@@ -410,25 +411,11 @@ def test_openai_client_sees_400_not_422(server):
 
 def test_512_concurrent_streams_queue_and_none_is_dropped(server):
     """Far past max_num_seqs (16): the requests queue in the scheduler; every connection is served."""
-
-    async def one(client, i):
-        stream = await client.completions.create(model=MODEL, prompt=[100 + i % 50, 7, 8], max_tokens=2,
-                                                 temperature=0, stream=True, extra_body=NO_EOS,
-                                                 stream_options={"include_usage": True})
-        usage = None
-        async for c in stream:
-            usage = c.usage or usage
-        return usage.completion_tokens
-
-    async def go():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300,
-                                    http_client=openai.DefaultAsyncHttpxClient(
-                                        limits=httpx.Limits(max_connections=512, max_keepalive_connections=512)))
-        out = await asyncio.gather(*(one(client, i) for i in range(512)), return_exceptions=True)
-        await client.close()
-        return out
-
-    results = asyncio.run(go())
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300,
+                                http_client=openai.DefaultAsyncHttpxClient(
+                                    limits=httpx.Limits(max_connections=512, max_keepalive_connections=512)))
+    results = streamed_completion_tokens(client, [dict(model=MODEL, prompt=[100 + i % 50, 7, 8], max_tokens=2,
+                                                       temperature=0, extra_body=NO_EOS) for i in range(512)])
     assert results == [2] * 512, [r for r in results if r != 2][:3]
     server.wait_idle()
 

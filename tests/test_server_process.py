@@ -17,7 +17,8 @@ from llm_anatomy.server.app import build_server
 from llm_anatomy.server.core import EngineSpec
 from llm_anatomy.server.errors import APIError
 from llm_anatomy.server.protocol import ChatCompletionRequest, chat_request
-from test_server import CEILINGS, HELLO, MODEL, NO_EOS, Running, checkpoint  # noqa: F401 - checkpoint is a fixture
+from test_server import (CEILINGS, HELLO, MODEL, NO_EOS, Running, checkpoint,  # noqa: F401 - a fixture
+                         streamed_completion_tokens)
 
 SETTINGS = dict(device="cpu", dtype="float32", kv_cache_tokens=1024, block_size=16, max_num_seqs=16)
 
@@ -103,22 +104,10 @@ def test_logprobs_stop_strings_and_n_choices_cross_the_pipe(server):
 
 
 def test_concurrent_streams_all_complete(server):
-    async def one(client, i):
-        stream = await client.completions.create(model=MODEL, prompt="word " * (1 + i % 7), max_tokens=4 + i % 9,
-                                                 temperature=0, stream=True, extra_body=NO_EOS,
-                                                 stream_options={"include_usage": True})
-        usage = None
-        async for c in stream:
-            usage = c.usage or usage
-        return usage.completion_tokens
-
-    async def go():
-        client = server.async_client()
-        out = await asyncio.gather(*(one(client, i) for i in range(40)))
-        await client.close()
-        return out
-
-    assert asyncio.run(go()) == [4 + i % 9 for i in range(40)]
+    results = streamed_completion_tokens(server.async_client(), [
+        dict(model=MODEL, prompt="word " * (1 + i % 7), max_tokens=4 + i % 9, temperature=0, extra_body=NO_EOS)
+        for i in range(40)])
+    assert results == [4 + i % 9 for i in range(40)]
     server.wait_idle()
 
 
