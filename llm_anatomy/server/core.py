@@ -199,7 +199,7 @@ class Sender:
     def __init__(self, conn):
         self.conn = conn
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._error: BaseException | None = None  # why a posted message was not sent: raised to the next sender
+        self._error: BaseException | None = None  # why a posted message was not sent: raised at the next post
         self._writer = threading.Thread(target=self._write, name="llm-anatomy-core-send", daemon=True)
         self._writer.start()
 
@@ -483,13 +483,13 @@ def main(spec: EngineSpec, options: CoreOptions, inbox, outbox, switch_interval_
     logging.basicConfig(level=logging.WARNING, format="llm-anatomy engine: %(message)s", stream=sys.stderr)
     send = Sender(outbox)
     try:
-        _main(spec, options, inbox, send, switch_interval_s, gc_threshold)
+        _load_and_serve(spec, options, inbox, send, switch_interval_s, gc_threshold)
     finally:
         send.close()
 
 
-def _main(spec: EngineSpec, options: CoreOptions, inbox, send: Sender, switch_interval_s: float | None,
-          gc_threshold: int | None) -> None:
+def _load_and_serve(spec: EngineSpec, options: CoreOptions, inbox, send: Sender, switch_interval_s: float | None,
+                    gc_threshold: int | None) -> None:
     try:
         engine = spec.build(progress=lambda stage: send(("progress", stage)))
     except Exception as e:  # noqa: BLE001 - the HTTP process says it in one line and exits
