@@ -451,7 +451,7 @@ class Anatomy:
         call_energy = energy.get("call_attributed") or energy.get("call")  # its share, when batched
         return {
             "id": self.id, "url": f"/v1/anatomy/{self.id}", "html": f"/anatomy/{self.id}",
-            "weights": self.weights.kind, "notes": self.notes,
+            "started_at_unix": self.started_at_unix, "weights": self.weights.kind, "notes": self.notes,
             "prompt_tokens": len(self.prompt_token_ids), "output_tokens": len(self.output_token_ids),
             "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2e_ms": self.e2e_ms,
             "queue_ms": next((p.end_ms - p.start_ms for p in self.phases if p.name == "queue"), None),

@@ -47,6 +47,7 @@ class Fake:
     in_flight: int = 0
     counters: dict = field(default_factory=lambda: dict(preemptions=0, hits=0, queries=0, generated=0,
                                                         ttft_sum=0.0, ttft_count=0))
+    arrivals: dict = field(default_factory=dict)  # anatomy id -> the wall clock when its request arrived
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -75,13 +76,16 @@ class Fake:
 
         @app.get("/v1/anatomy/{anatomy_id}")
         async def anatomy(anatomy_id: str):
-            return Response(sample_anatomy(id=anatomy_id).to_json(), media_type="application/json")
+            anatomy = sample_anatomy(id=anatomy_id, started_at_unix=self.arrivals.get(anatomy_id, 0.0))
+            return Response(anatomy.to_json(), media_type="application/json")
 
         async def complete(request: Request, chat: bool):
+            arrived = time.time()
             body = await request.json()
             self.bodies.append(body)
             b = self.behaviour
             self.calls += 1
+            self.arrivals[f"cmpl-{self.calls}"] = arrived
             if b.refuse_ignore_eos and "ignore_eos" in body:
                 return JSONResponse({"error": {"message": "Unrecognized request argument supplied: ignore_eos",
                                                "type": "invalid_request_error", "param": None, "code": None}}, 422)
@@ -291,6 +295,10 @@ def test_anatomy_join(server, tmp_path):
     row = lv["requests"][0]
     assert row["id"].startswith("cmpl-") and row["client_ttft_ms"] >= 10
     assert row["prefill_ms"] == pytest.approx(expected["prefill"]["gpu_ms"])
+    for row in lv["requests"]:  # the gap by the wall clock: the send to the server's start, then the way back
+        assert 0 <= row["arrival_ms"] < 1000
+        assert row["arrival_ms"] + row["server_ttft_ms"] + row["delivery_ms"] == pytest.approx(row["client_ttft_ms"])
+    assert lv["arrival_ms"]["p50"] is not None and lv["delivery_ms"]["p50"] is not None
 
 
 def test_anatomy_against_another_server_is_refused(server, tmp_path, capsys):

@@ -33,6 +33,7 @@ class BenchError(AnatomyError):
 class RequestResult:
     ok: bool
     start_s: float  # perf_counter when sent
+    sent_unix: float | None = None  # the wall clock when sent (set beside an llm-anatomy server's started_at_unix)
     error: str | None = None  # the reason, when not ok
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -170,7 +171,7 @@ async def stream_request(session: aiohttp.ClientSession, base_url: str, shape: R
     result with its reason."""
     payload = shape.payload(prompt)
     start = time.perf_counter()
-    result = RequestResult(ok=False, start_s=start)
+    result = RequestResult(ok=False, start_s=start, sent_unix=time.time())
     last_choice_t = prev = start
     chunks = 0
     finished = done = False

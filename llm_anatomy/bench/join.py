@@ -43,11 +43,19 @@ async def fetch_summaries(session: aiohttp.ClientSession, base_url: str, ids: li
 
 
 def _row(r: RequestResult, s: dict) -> dict:
-    """One request seen from both sides (ms)."""
+    """One request seen from both sides (ms). `arrival_ms`: from the client's send to the server's start (its
+    request received), on the wall clocks of both; `delivery_ms`: the rest of the client's TTFT after the
+    arrival and the server's own TTFT (the first token's way back: the server's HTTP side, SSE, the client)."""
     prefill, batching = s.get("prefill") or {}, s.get("batching") or {}
+    arrival = delivery = None
+    if r.sent_unix is not None and s.get("started_at_unix"):
+        arrival = (s["started_at_unix"] - r.sent_unix) * 1e3
+        if s.get("ttft_ms") is not None:
+            delivery = r.ttft_s * 1e3 - arrival - s["ttft_ms"]
     return {
         "id": s["id"],
         "client_ttft_ms": r.ttft_s * 1e3, "server_ttft_ms": s.get("ttft_ms"),
+        "arrival_ms": arrival, "delivery_ms": delivery,
         "client_e2e_ms": r.e2e_s * 1e3, "server_e2e_ms": s.get("e2e_ms"),
         "queue_ms": s.get("queue_ms"), "prefill_ms": prefill.get("gpu_ms"),
         "prefill_batch_size": prefill.get("batch_size"),
@@ -59,7 +67,9 @@ def _row(r: RequestResult, s: dict) -> dict:
 
 def joined_view(results: list[RequestResult], summaries: dict[str, dict | str]) -> dict:
     """Per request rows and their distributions. `ttft_gap_ms` is client TTFT - server TTFT: the network, HTTP
-    and SSE framing, and whatever the server did before its own clock started."""
+    and SSE framing, and whatever the server did before its own clock started. It splits into `arrival_ms`
+    (before the server's clock started) and `delivery_ms` (after its first token) when the two wall clocks agree:
+    one host, or hosts whose clocks are synchronized well below the figures (a skew shows in both, opposite)."""
     rows, missing = [], Counter()
     for r in results:
         if not r.ok:
@@ -81,6 +91,8 @@ def joined_view(results: list[RequestResult], summaries: dict[str, dict | str]) 
         "joined": len(rows), "missing": dict(missing.most_common()),
         "server_ttft_ms": distribution_ms(values("server_ttft_ms")),
         "ttft_gap_ms": distribution_ms(gaps),
+        "arrival_ms": distribution_ms(values("arrival_ms")),
+        "delivery_ms": distribution_ms(values("delivery_ms")),
         "queue_ms": distribution_ms(values("queue_ms")),
         "prefill_ms": distribution_ms(values("prefill_ms")),
         "mean_batch_size": sum(batch) / len(batch) if batch else None,

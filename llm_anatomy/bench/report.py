@@ -105,6 +105,9 @@ def _rows(run: BenchRun) -> list[Row]:
         ("anatomy", "requests joined", f("anatomy.joined")),
         ("anatomy", "server TTFT p50 (ms)", f("anatomy.server_ttft_ms.p50")),
         ("anatomy", "client - server TTFT p50 (ms)", f("anatomy.ttft_gap_ms.p50")),
+        ("anatomy", "of it: send to received / first token back, p50 (ms)", lambda lv: "-" if not lv.get("anatomy")
+         or lv["anatomy"].get("arrival_ms", {}).get("p50") is None else
+         f"{fmt(lv['anatomy']['arrival_ms']['p50'])} / {fmt(lv['anatomy']['delivery_ms']['p50'])}"),
         ("anatomy", "queue p50 / p99 (ms)", lambda lv: "-" if not lv.get("anatomy") else
          f"{fmt(lv['anatomy']['queue_ms']['p50'])} / {fmt(lv['anatomy']['queue_ms']['p99'])}"),
         ("anatomy", "prefill p50 (ms)", f("anatomy.prefill_ms.p50")),
