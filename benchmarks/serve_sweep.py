@@ -314,7 +314,7 @@ def run_bench(url: str, args, out: Path) -> dict:
     concurrency, (prompt_len, max_tokens) = max(args.levels), args.shapes[0]
     cmd = [sys.executable, "-m", "llm_anatomy.cli", "bench", url, "--concurrency", str(concurrency),
            "--num-prompts", str(args.bench_prompts), "--input-tokens", str(prompt_len),
-           "--output-tokens", str(max_tokens), "--json", str(out)]
+           "--output-tokens", str(max_tokens), "--anatomy", "--json", str(out)]
     done = subprocess.run(cmd, env=checkout_env(), capture_output=True, text=True)
     found = {"concurrency": concurrency, "num_prompts": args.bench_prompts, "exit": done.returncode,
              "command": " ".join(cmd[1:]), "stderr_tail": done.stderr[-2000:]}
@@ -322,6 +322,9 @@ def run_bench(url: str, args, out: Path) -> dict:
         level = json.loads(out.read_text())
         level = level[0] if isinstance(level, list) else level.get("levels", [level])[0]
         found.update({k: level.get(k) for k in ("output_tok_s", "requests", "errors", "ttft_ms", "tpot_ms")})
+        joined = level.get("anatomy") or {}  # where the client's TTFT goes beside the server's (same host)
+        found["anatomy"] = {k: joined.get(k) for k in ("joined", "missing", "server_ttft_ms", "ttft_gap_ms",
+                                                       "arrival_ms", "delivery_ms")}
     return found
 
 

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from test_bench import Behaviour, fake, server  # noqa: F401 - fake and server are fixtures
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 
@@ -349,6 +351,18 @@ def test_serve_sweep_server_view_skips_anatomies_the_store_rotated_out(scripts, 
     assert sweep.server_view("http://server", [{"anatomy_id": "b"}]) == {"anatomies": 0, "anatomies_missing": 1}
     last = sweep.server_view("http://server", [{"anatomy_id": i} for i in "abc"], sample=1)  # the level's last only
     assert (last["anatomies"], last["anatomies_missing"], last["ttft_ms_p50"]) == (1, 0, 30.0)
+
+
+def test_serve_sweep_runs_the_product_bench_with_the_anatomy_join(scripts, server, tmp_path):
+    """--bench-prompts: `llm-anatomy bench` in a process of its own at the largest level, with --anatomy: its
+    figures and where the client's TTFT went beside the server's come back."""
+    sweep = scripts("serve_sweep")
+    server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.005, chunks=3, anatomy=True)
+    found = sweep.run_bench(server.url, SimpleNamespace(levels=[1, 2], shapes=[(4, 3)], bench_prompts=4),
+                            tmp_path / "bench.json")
+    assert found["exit"] == 0, found["stderr_tail"]
+    assert found["requests"] == 4 and found["concurrency"] == 2 and found["anatomy"]["joined"] == 4
+    assert 0 <= found["anatomy"]["arrival_ms"]["p50"] < 1000 and found["anatomy"]["delivery_ms"]["p50"] is not None
 
 
 def test_serve_sweep_table(scripts):
