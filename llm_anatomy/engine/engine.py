@@ -318,14 +318,16 @@ class Engine:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(1 << 30, available // 8)
         blocks = int(budget // bytes_per_block)
-        full = blocks_for(self.max_model_len, self.block_size) * self.max_num_seqs  # never more than all seqs at full context
+        # never more than all sequences at full context
+        full = blocks_for(self.max_model_len, self.block_size) * self.max_num_seqs
         return max(1, min(blocks, full))
 
     @torch.inference_mode()
     def _measure_activation_peak(self) -> int:
         """Peak bytes a prefill of max_num_batched_tokens needs beyond the weights (warm-up run, temporary pool)."""
         tokens = self.max_num_batched_tokens
-        pool = KVCachePool(self.config, blocks_for(tokens, self.block_size), self.block_size, self.kv_dtype, self.device)
+        pool = KVCachePool(self.config, blocks_for(tokens, self.block_size), self.block_size, self.kv_dtype,
+                           self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -410,14 +412,16 @@ class Engine:
             seqs = pending.batch.seqs
             # The step after `pending`, launched before its tokens are read back where it needs none of them: the
             # waiting prompts' prefill (prefill first), else the next decode step
-            if self._prompts_next(pending):
-                batch = self.scheduler.schedule_prompts()
-                if batch is not None:
-                    self._ahead = self._launch(batch, time.perf_counter_ns() if self.observers else 0)
-            if self._ahead is None:
-                rows = self._ahead_rows(pending)
-                if rows is not None:
-                    self._ahead = self._launch_ahead(pending, rows)
+            if self.lookahead and pending.tokens is not None:
+                in_p = {id(s): row for row, s in enumerate(pending.batch.sampled)}  # sequence -> its token's row
+                if self._prompts_next(in_p):
+                    batch = self.scheduler.schedule_prompts()
+                    if batch is not None:
+                        self._ahead = self._launch(batch, time.perf_counter_ns() if self.observers else 0)
+                if self._ahead is None:
+                    rows = self._ahead_rows(in_p)
+                    if rows is not None:
+                        self._ahead = self._launch_ahead(pending, rows)
             self._complete(pending)
             return seqs
         except Exception as e:  # noqa: BLE001 - the step's requests end with the error, the engine goes on
@@ -489,20 +493,18 @@ class Engine:
         return [(tuple(s.params.stop_token_ids) + (() if s.params.ignore_eos else self.defaults.eos_token_ids))
                 if len(s.output_token_ids) < s.params.min_tokens else () for s in seqs]
 
-    def _ahead_rows(self, p: "_Pending") -> list[tuple[Sequence, int | None]] | None:
-        """The decode step that follows `p`, when it can be launched before p's tokens are read back: every running
-        sequence that decodes next, each with the row of p's sampled tokens that holds its newest token (None: the
-        host has it, it was not in p), their cache blocks held now. Those whose token from p is their last (a
-        length limit) are left out: they finish when p completes. None when the next step must be scheduled:
-        lookahead off, a prompt being chunked, a sequence whose next draw needs p's token on the host (penalties'
-        counts, min_tokens' bans), blocks short, or requests waiting under mixed steps (which admit them into
-        the decode step). (Under prefill first, waiting prompts that fit are launched ahead before this is asked;
-        those that do not wait for the step after.)"""
-        if not self.lookahead or p.tokens is None:
-            return None
+    def _ahead_rows(self, in_p: dict[int, int]) -> list[tuple[Sequence, int | None]] | None:
+        """The decode step that follows the step in flight p (`in_p`: id of each sequence p samples -> its row of
+        p's tokens), when it can be launched before p's tokens are read back: every running sequence that decodes
+        next, each with the row of p's sampled tokens that holds its newest token (None: the host has it, it was
+        not in p), their cache blocks held now. Those whose token from p is their last (a length limit) are left
+        out: they finish when p completes. None when the next step must be scheduled: a prompt being chunked, a
+        sequence whose next draw needs p's token on the host (penalties' counts, min_tokens' bans), blocks short,
+        or requests waiting under mixed steps (which admit them into the decode step). (Under prefill first,
+        waiting prompts that fit are launched ahead before this is asked; those that do not wait for the step
+        after.)"""
         if self.scheduler.waiting and self.scheduler.mixed_steps:
             return None
-        in_p = {id(s): row for row, s in enumerate(p.batch.sampled)}
         rows = []
         for s in self.scheduler.running:
             row = in_p.get(id(s))
@@ -521,13 +523,12 @@ class Engine:
             return None
         return rows
 
-    def _prompts_next(self, p: "_Pending") -> bool:
-        """Whether the step after `p` is, by the prefill-first policy, a prefill of waiting prompts alone, which
-        needs nothing of p's tokens: requests wait, lookahead is on, and every running sequence decodes next (none
-        is a prompt being chunked)."""
-        if not self.lookahead or self.scheduler.mixed_steps or not self.scheduler.waiting:
+    def _prompts_next(self, in_p: dict[int, int]) -> bool:
+        """Whether the step after the one in flight (`in_p` as for _ahead_rows) is, by the prefill-first policy, a
+        prefill of waiting prompts alone, which needs nothing of its tokens: requests wait and every running
+        sequence decodes next (none is a prompt being chunked)."""
+        if self.scheduler.mixed_steps or not self.scheduler.waiting:
             return False
-        in_p = {id(s) for s in p.batch.sampled}
         return all(id(s) in in_p or s.decoding for s in self.scheduler.running)
 
     def _complete(self, p: "_Pending") -> None:
