@@ -136,13 +136,7 @@ class Scheduler:
         self._admit(budget, seqs, lens)
         if not seqs and not self.mixed_steps:
             self._take_running([s for s in self.running if s.decoding], budget, seqs, lens)
-        if not seqs:
-            return None
-        decodes = 0  # the leading run of single-token decodes
-        while decodes < len(seqs) and lens[decodes] == 1 and seqs[decodes].decoding:
-            decodes += 1
-        sampled = [s for s, n in zip(seqs, lens) if s.num_cached + n == s.num_tokens]
-        return ScheduledBatch(seqs, lens, decodes < len(seqs), sampled, decodes)
+        return self._batch(seqs, lens)
 
     def schedule_prompts(self) -> ScheduledBatch | None:
         """A step of waiting prompts alone, in the whole budget: what the prefill-first policy runs next when no
@@ -150,10 +144,17 @@ class Scheduler:
         fits (for lack of a sequence slot or blocks)."""
         seqs, lens = [], []
         self._admit(self.max_num_batched_tokens, seqs, lens)
+        return self._batch(seqs, lens)
+
+    @staticmethod
+    def _batch(seqs: list[Sequence], lens: list[int]) -> ScheduledBatch | None:
         if not seqs:
             return None
+        decodes = 0  # the leading run of single-token decodes
+        while decodes < len(seqs) and lens[decodes] == 1 and seqs[decodes].decoding:
+            decodes += 1
         sampled = [s for s, n in zip(seqs, lens) if s.num_cached + n == s.num_tokens]
-        return ScheduledBatch(seqs, lens, True, sampled, 0)
+        return ScheduledBatch(seqs, lens, decodes < len(seqs), sampled, decodes)
 
     def _take_running(self, candidates: list[Sequence], budget: int, seqs: list, lens: list) -> int:
         """Schedule running sequences' next tokens (preempting the newest when blocks run out); the budget left."""
