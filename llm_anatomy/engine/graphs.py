@@ -66,8 +66,8 @@ class BlockTableRows:
 
     A host mirror holds what the device's rows hold and whose blocks each row has, so a step copies only the
     rows that changed (a sequence that gained a block; every row after a finished sequence, which the batch
-    shifts up one), all of them in one copy of the row range they span: a copy per row cost ~10 us of host
-    time each, and one finish among 512 sequences shifts hundreds of rows."""
+    shifts up one), all of them in one copy of the row range they span: a copy per row is a launch of host time
+    each, and one finish early in a batch of 512 shifts hundreds of rows."""
 
     def __init__(self, rows: int, width: int, device: torch.device):
         self.device_rows = torch.zeros(rows, width, dtype=torch.int32, device=device)
@@ -128,7 +128,6 @@ class GraphRunner:
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = BlockTableRows(n, width, dev)
-        self.tables = self.block_tables.device_rows
         # Pinned staging, double-buffered: a step's inputs may still be in flight when the next is prepared.
         self._stage = torch.zeros(2, 3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
         self._stage_lens = torch.zeros(2, n, dtype=torch.int32).pin_memory()
@@ -179,7 +178,8 @@ class GraphRunner:
     def _decode_forward(self, plan: ExecutionPlan, b: int, splits: int | None = None, block_n: int | None = None,
                         fp8_cuda: bool = False):
         """The batch-b decode step over the fixed buffers (attention as the arguments say), logits out."""
-        batch = AttentionBatch(self.pool.k, self.pool.v, self.slots[:b], False, self.tables[:b], self.lens[:b],
+        tables = self.block_tables.device_rows[:b]
+        batch = AttentionBatch(self.pool.k, self.pool.v, self.slots[:b], False, tables, self.lens[:b],
                                decode_splits=splits, decode_block_n=block_n, decode_fp8_cuda=fp8_cuda)
         return lambda: self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], batch, plan), plan)
 
@@ -207,7 +207,8 @@ class GraphRunner:
         bs = self.pool.block_size
         self.pos[0] = context - 1
         self.lens[0] = context
-        self.tables[0, :-(-context // bs)] = torch.arange(-(-context // bs), dtype=torch.int32)
+        self.block_tables.device_rows[0, :-(-context // bs)] = torch.arange(-(-context // bs), dtype=torch.int32)
+        # (written past the mirror: the caller's reset_buffers resets both)
 
         def step_ms(plan: ExecutionPlan) -> float:
             graph, _ = self._capture(self._decode_forward(plan, 1), shared_pool=False)

@@ -209,7 +209,7 @@ def tune_gemv_tiles(plan, model, graphs, device, cache_dir: str | os.PathLike | 
     The tiles serve the Triton GEMV (batches of 2-16 rows, and batch 1 where the plan does not stream): they are
     timed with batch 1 on it."""
     pool = graphs.pool
-    context = min(512, pool.num_blocks * pool.block_size, graphs.tables.shape[1] * pool.block_size)
+    context = min(512, pool.num_blocks * pool.block_size, graphs.block_tables.device_rows.shape[1] * pool.block_size)
     timer = graphs.decode_step_timer(context)
     on_triton = replace(plan, stream_gemv=False, norm_in_gemv=False)
     tiles: dict[tuple, Tile] = {}
