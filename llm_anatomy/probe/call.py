@@ -84,20 +84,12 @@ class EngineFacts:
     def of(cls, engine: Engine) -> "EngineFacts":
         config, weights = engine.config, engine.weights
         return cls(engine.device, config, engine.dtype, device_shapes(engine.device, engine.plan),
-                   _picklable_tokenizer(engine.tokenizer),
+                   engine.tokenizer,  # pickles without its compiled template (Tokenizer.__getstate__)
                    ModelRecord(engine.source.name, config.to_hf(), str(engine.dtype).split(".")[-1],
                                weights.num_parameters, weights.bytes, weights.quantization,
                                engine.plan.kv_cache_dtype),
                    WeightsRecord(weights.kind, weights.source, weights.label, weights.seed),
                    device_record(engine, ""), PoolFacts.of(engine), engine.max_model_len, startup_record(engine))
-
-
-def _picklable_tokenizer(tokenizer):
-    """A copy of the tokenizer without its compiled chat template (a cached property: jinja2's compiled
-    templates cannot be pickled; the copy compiles its own if it ever renders one)."""
-    tokenizer = copy.copy(tokenizer)
-    tokenizer.__dict__.pop("_template", None)
-    return tokenizer
 
 
 @dataclass(frozen=True)
