@@ -72,13 +72,8 @@ class AttentionBatch:
             if gathered:
                 host = torch.tensor([i for _, *lists in gathered for x in lists for i in x], dtype=torch.int64)
                 flat = self.upload(host) if self.upload is not None else host.to(device, non_blocking=True)
-                at = 0
-                for rows, *lists in gathered:
-                    views = []
-                    for x in lists:
-                        views.append(flat[at:at + len(x)])
-                        at += len(x)
-                    groups.append((rows, *views))
+                parts = iter(flat.split([len(x) for _, *lists in gathered for x in lists]))
+                groups += [(rows, next(parts), next(parts), next(parts)) for rows, *_ in gathered]
             self._groups = (groups, frozenset(members))
         return self._groups
 
