@@ -243,7 +243,7 @@ class Attention(nn.Module):
         width = self.num_heads * self.head_dim
 
         def decode(q, k_cache, v_cache, block_tables, context_lens, splits=None, block_n=None):
-            # An fp8 cache's CUDA kernel is launched without PDL: its PDL launch has a GPU test that has not run yet
+            # An fp8 cache's CUDA kernel is launched without PDL: the engine with its PDL launch is not yet measured
             if batch.decode_fp8_cuda and fp8_attention.unsupported(q, k_cache, v_cache, block_tables,
                                                                    context_lens) is None:
                 return fp8_attention.fp8_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
