@@ -423,3 +423,85 @@ def test_block_table_rows_follow_the_batch_through_shifts_growth_and_preemption(
     assert not rows.device_rows.any()
     rows.sync(batch[:1])
     assert rows.device_rows[0, :len(batch[0].block_table.blocks)].tolist() == batch[0].block_table.blocks
+
+
+def test_varlen_attention_attends_each_packed_prompt_by_itself():
+    """Packed prompts (and an empty one, and the padding's own sequence) attended by one variable-length call give
+    what each prompt gets attended alone: causal, GQA, no row of one prompt seeing another's."""
+    from llm_anatomy.models.attention import varlen_attention
+
+    g = torch.Generator().manual_seed(0)
+    lens, pad = [5, 1, 0, 9], 3
+    total = sum(lens) + pad
+    q = torch.randn(total, 4, 16, generator=g)
+    k, v = torch.randn(total, 2, 16, generator=g), torch.randn(total, 2, 16, generator=g)
+    bounds = torch.tensor([0, 5, 6, 6, 15, 18], dtype=torch.int32)
+    out = varlen_attention(q, k, v, bounds, max(lens))
+    for start, end in zip(bounds.tolist(), bounds.tolist()[1:]):
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            *(x[start:end].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True)
+        assert torch.equal(out[start:end], alone[0].transpose(0, 1))
+    assert not torch.equal(out[5:15], varlen_attention(q, k, v, torch.tensor([0, 5, 15, 18], dtype=torch.int32),
+                                                       10)[5:15])  # one prompt of 10 is not two of 1 and 9
+
+
+def test_a_batch_of_prompts_packed_as_its_graph_replays_it_gives_the_steps_logits(engine):
+    """The batch-prefill graphs' inputs (stage_prefill_batch: prompts packed, padded to the graph's size, the
+    padding's tokens stored nowhere) through the model with packed attention: each prompt's last logits are those
+    of the eager step, and the cache holds the same keys and values."""
+    from dataclasses import replace
+
+    from llm_anatomy.engine.graphs import stage_prefill_batch
+
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
+    for ids in prompts:
+        engine.add_request(ids, engine.sampling_params(temperature=0, max_tokens=2))
+    batch = engine.scheduler.schedule()
+    assert batch.is_prefill and len(batch.seqs) == 3
+    runner = engine.runner
+    eager = runner.run(batch)
+    k_eager, v_eager = engine.pool.k.clone(), engine.pool.v.clone()
+    engine.pool.k.zero_(), engine.pool.v.zero_()
+
+    size, prompts_room = 20, 5
+    stage, bounds = torch.zeros(4, size, dtype=torch.int64), torch.zeros(prompts_room + 2, dtype=torch.int32)
+    stage_prefill_batch(batch.seqs, size, prompts_room, stage, bounds)
+    assert bounds.tolist() == [0, 5, 7, 14, 14, 14, 20]
+    assert stage[3, :prompts_room].tolist() == [4, 6, 13, 0, 0] and stage[2, 14:].eq(-1).all()
+    assert stage[0, :14].tolist() == sum(prompts, []) and stage[1, :7].tolist() == [0, 1, 2, 3, 4, 0, 1]
+    # the model's reference path stores every slot it is given (the GPU kernels skip -1): no padding here
+    stage_prefill_batch(batch.seqs, 14, prompts_room, stage, bounds)
+    assert bounds.tolist() == [0, 5, 7, 14, 14, 14, 14]
+    _, _, attn, _ = runner.prepare(batch)
+    attn = replace(attn, slot_mapping=stage[2, :14], varlen=(bounds, 14))
+    model = runner.model
+    hidden = model(stage[0, :14], stage[1, :14], attn, runner.step_plan)
+    packed = model.compute_logits(hidden[stage[3, :3]], runner.step_plan)
+    assert torch.allclose(packed, eager, atol=1e-5, rtol=1e-5)
+    assert torch.equal(engine.pool.k, k_eager) and torch.equal(engine.pool.v, v_eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batch_prefill_graphs_give_the_eager_steps_tokens(save_tiny, monkeypatch):
+    """On a GPU, prompts arriving together are prefilled by a batch-prefill graph (varlen FlashAttention over the
+    packed prompts) and decode to the tokens the eager engine gives; a batch past the graphs' prompts or tokens
+    runs eagerly."""
+    directory, _ = save_tiny(initializer_range=0.2, max_position_embeddings=4096)
+    kw = dict(device="cuda", dtype=torch.bfloat16, kv_cache_tokens=8192, block_size=16, max_num_batched_tokens=2048,
+              max_num_seqs=64)
+    graphed = Engine.from_pretrained(directory, **kw)
+    eager = Engine.from_pretrained(directory, cuda_graphs=False, **kw)
+    assert graphed.graphs.batch_prefill_graphs and 2048 in graphed.graphs.batch_prefill_graphs
+    replays, prefill_batch = [], graphed.graphs.prefill_batch
+    monkeypatch.setattr(graphed.graphs, "prefill_batch",
+                        lambda seqs, size: replays.append((len(seqs), size)) or prefill_batch(seqs, size))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 500, (int(n),), generator=g).tolist() for n in (3, 40, 17, 128, 128, 255, 9)]
+    outs = [e.generate_many(prompts, temperature=0, max_tokens=8, ignore_eos=True) for e in (graphed, eager)]
+    assert [o.output_token_ids for o in outs[0]] == [o.output_token_ids for o in outs[1]]
+    assert replays == [(7, 768)]
+    many = [[5 + i % 400, 7, 11] for i in range(40)]  # more prompts than a graph of 256 takes: eager, same tokens
+    outs = [e.generate_many(many, temperature=0, max_tokens=3, ignore_eos=True) for e in (graphed, eager)]
+    assert [o.output_token_ids for o in outs[0]] == [o.output_token_ids for o in outs[1]]
+    assert replays == [(7, 768)]

@@ -6,7 +6,10 @@ small copies and one launch instead of hundreds of kernel launches from Python. 
 are padding: slot -1 (nothing is stored) and context 0 (nothing is read). A whole prompt of up to
 PREFILL_GRAPH_TOKENS tokens replays a graph of its attention bucket's length (one sequence, nothing cached yet;
 padded tokens sit after the real ones, so causality hides them): a prompt's prefill launches ~450 kernels, and
-eagerly the host falls behind the device in the first layers.
+eagerly the host falls behind the device in the first layers. Several whole prompts of a step (a server's new
+requests), up to BATCH_PREFILL_TOKENS[-1] tokens together, replay a graph of the next size of BATCH_PREFILL_TOKENS:
+packed one after the other, attended by one variable-length call a layer whose boundaries are an input buffer
+(attention.varlen_attention), the padding a last sequence of its own that stores nothing.
 
 The graphs replay the plan they were captured with (ExecutionPlan): its kernels, tiles and launches are baked in.
 """
@@ -19,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..models.attention import AttentionBatch, prefill_bucket
+from ..models.attention import AttentionBatch, prefill_bucket, varlen_supported
 from ..models.qwen3 import Qwen3ForCausalLM
 from .kv_cache import KVCachePool
 from .plan import ExecutionPlan
@@ -30,6 +33,43 @@ PREFILL_GRAPH_TOKENS = 2048
 # Capturing the prefill buckets also compiles the QK-norm kernel's token blocks and builds cuDNN's attention
 # plans for these lengths.
 GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, PREFILL_GRAPH_TOKENS + 1)}))
+
+
+# Batches of whole prompts: sizes 256 apart, so that padding costs at most 255 tokens' compute; each graph takes up
+# to batch_prompts(size) prompts (the logits it computes: one row each).
+BATCH_PREFILL_TOKENS = (256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+MAX_BATCH_PROMPTS = 64
+
+
+def batch_prefill_sizes(max_tokens: int) -> list[int]:
+    return [t for t in BATCH_PREFILL_TOKENS if t <= max_tokens]
+
+
+def batch_prompts(size: int, max_batch: int) -> int:
+    """Prompts a batch-prefill graph of `size` tokens takes: at least 8 tokens each, at most MAX_BATCH_PROMPTS."""
+    return min(MAX_BATCH_PROMPTS, max_batch, size // 8)
+
+
+def stage_prefill_batch(seqs: list[Sequence], size: int, prompts: int, stage: torch.Tensor,
+                        bounds: torch.Tensor) -> None:
+    """A batch of whole prompts' inputs into host tensors, packed one after the other and padded to `size`:
+    stage [4, >= size] (token ids, positions, cache slots; row 3: each prompt's last row, `prompts` of them, 0
+    past the batch) and bounds [prompts + 2] (the sequences' boundaries for varlen_attention: the prompts', empty
+    ones up to `prompts`, then the padding's, which stores nothing (slot -1) and ends at `size`)."""
+    lens = [seq.num_tokens for seq in seqs]
+    total = sum(lens)
+    stage[0, :total] = torch.tensor([t for seq in seqs for t in seq.token_ids(0, seq.num_tokens)])
+    stage[1, :total] = torch.cat([torch.arange(n) for n in lens])
+    stage[2, :total] = torch.tensor([slot for seq in seqs for slot in seq.block_table.slots(0, seq.num_tokens)])
+    stage[:2, total:size] = 0
+    stage[2, total:size] = -1
+    ends = torch.tensor(lens).cumsum(0)
+    stage[3, :len(seqs)] = ends - 1
+    stage[3, len(seqs):prompts] = 0
+    bounds[0] = 0
+    bounds[1:len(seqs) + 1] = ends
+    bounds[len(seqs) + 1:prompts + 1] = total
+    bounds[prompts + 1] = size
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
@@ -118,6 +158,7 @@ class GraphRunner:
         self.decode_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.short_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch 1, short contexts
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.batch_prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by size; logits in batch_logits
         self.plan: ExecutionPlan | None = None  # the plan captured, once captured
         self.graph_bytes = 0
         self.capture_seconds = 0.0
@@ -153,6 +194,9 @@ class GraphRunner:
                                                                           short.short_block_n))
         if max_prefill_tokens > 0:
             self._capture_prefill(plan, max_prefill_tokens)
+            cfg = self.model.config
+            if varlen_supported(self.model.model.embed_tokens.weight.dtype, cfg.head_dim, self.device):
+                self._capture_prefill_batches(plan, len(self.prefill_ids))
         torch.cuda.synchronize(self.device)
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
         self.capture_seconds = time.perf_counter() - start
@@ -200,6 +244,33 @@ class GraphRunner:
 
             self.prefill_graphs[t] = self._capture(forward)
 
+    def _capture_prefill_batches(self, plan: ExecutionPlan, max_tokens: int) -> None:
+        """Graphs of whole prompts packed together (stage_prefill_batch), over the single prompts' input buffers.
+        Their logits go to one buffer that they share (a graph's own output would stay allocated per graph)."""
+        sizes = batch_prefill_sizes(max_tokens)
+        if not sizes:
+            return
+        most = batch_prompts(sizes[-1], self.max_batch)
+        dev = self.device
+        self.batch_bounds = torch.zeros(most + 2, dtype=torch.int32, device=dev)
+        self.batch_last = torch.zeros(most, dtype=torch.int64, device=dev)
+        self.batch_logits = torch.empty(most, self.model.config.vocab_size, dtype=torch.float32, device=dev)
+        self._batch_stage = torch.zeros(2, 4, sizes[-1], dtype=torch.int64).pin_memory()
+        self._batch_bounds_stage = torch.zeros(2, most + 2, dtype=torch.int32).pin_memory()
+        for t in reversed(sizes):
+            p = batch_prompts(t, self.max_batch)
+            self.batch_bounds[p + 1:].fill_(t)  # captured over one sequence of t tokens
+            batch = AttentionBatch(self.pool.k, self.pool.v, self.prefill_slots[:t], True,
+                                   torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                                   torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,),
+                                   varlen=(self.batch_bounds[:p + 2], t))
+
+            def forward(t=t, p=p, batch=batch):
+                hidden = self.model(self.prefill_ids[:t], self.prefill_pos[:t], batch, plan)
+                return self.batch_logits[:p].copy_(self.model.compute_logits(hidden[self.batch_last[:p]], plan))
+
+            self.batch_prefill_graphs[t] = self._capture(forward)[0]
+
     def decode_step_timer(self, context: int) -> Callable[[ExecutionPlan], float]:
         """A function timing the batch-1 decode step, as captured with a given plan, at `context` tokens of the
         KV pool (nothing is stored): captured into a graph of its own and replayed (tile tuning, tuning.py).
@@ -231,9 +302,11 @@ class GraphRunner:
 
     # ---- replay -------------------------------------------------------------------------------------------
     def describe(self) -> dict:
-        return {"count": len(self.decode_graphs) + len(self.short_graphs) + len(self.prefill_graphs),
+        return {"count": len(self.decode_graphs) + len(self.short_graphs) + len(self.prefill_graphs)
+                + len(self.batch_prefill_graphs),
                 "decode_batch_sizes": sorted(self.decode_graphs), "short_context_batch_sizes": sorted(self.short_graphs),
-                "prefill_tokens": sorted(self.prefill_graphs), "bytes": self.graph_bytes,
+                "prefill_tokens": sorted(self.prefill_graphs),
+                "batch_prefill_tokens": sorted(self.batch_prefill_graphs), "bytes": self.graph_bytes,
                 "capture_seconds": self.capture_seconds}
 
     def can_decode(self, batch_size: int) -> bool:
@@ -243,6 +316,32 @@ class GraphRunner:
         seqs = batch.seqs
         return (bool(self.prefill_graphs) and len(seqs) == 1 and seqs[0].num_cached == 0
                 and batch.query_lens[0] == seqs[0].num_tokens <= max(self.prefill_graphs))
+
+    def batch_size_for(self, batch: ScheduledBatch) -> int | None:
+        """The batch-prefill graph that replays this step, if one does: two or more whole prompts with nothing
+        cached (each sampled), no decodes, that fit its tokens and prompts."""
+        seqs = batch.seqs
+        if (not self.batch_prefill_graphs or len(seqs) < 2 or batch.num_decodes or len(batch.sampled) != len(seqs)
+                or any(s.num_cached or n != s.num_tokens for s, n in zip(seqs, batch.query_lens))):
+            return None
+        total = sum(batch.query_lens)
+        size = next((t for t in sorted(self.batch_prefill_graphs) if t >= total), None)
+        return size if size is not None and len(seqs) <= batch_prompts(size, self.max_batch) else None
+
+    def prefill_batch(self, seqs: list[Sequence], size: int) -> torch.Tensor:
+        """Replay the batch-prefill graph of `size` (batch_size_for) over these whole prompts: their last rows'
+        logits, in order."""
+        p = batch_prompts(size, self.max_batch)
+        stage, bounds = self._batch_stage[self._flip], self._batch_bounds_stage[self._flip]
+        self._flip ^= 1
+        stage_prefill_batch(seqs, size, p, stage, bounds)
+        self.prefill_ids[:size].copy_(stage[0, :size], non_blocking=True)
+        self.prefill_pos[:size].copy_(stage[1, :size], non_blocking=True)
+        self.prefill_slots[:size].copy_(stage[2, :size], non_blocking=True)
+        self.batch_last[:p].copy_(stage[3, :p], non_blocking=True)
+        self.batch_bounds[:p + 2].copy_(bounds[:p + 2], non_blocking=True)
+        self.batch_prefill_graphs[size].replay()
+        return self.batch_logits[:len(seqs)]
 
     def decode(self, seqs: list[Sequence], ahead: AheadInputs | None) -> torch.Tensor:
         """Replay the decode graph of the smallest bucket that holds the batch; `ahead.tokens` (on the device) as

@@ -139,6 +139,9 @@ class ModelRunner:
                 return graphs.decode(batch.seqs, ahead)
             if batch.is_prefill and graphs.can_prefill(batch):
                 return graphs.prefill(batch.seqs[0])
+            size = graphs.batch_size_for(batch) if batch.is_prefill else None
+            if size is not None:
+                return graphs.prefill_batch(batch.seqs, size)
         input_ids, positions, attn, last = self.prepare(batch, None if ahead is None else ahead.offsets)
         if ahead is not None:
             input_ids = ahead.tokens

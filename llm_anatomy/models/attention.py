@@ -4,7 +4,8 @@ The batch is a flat list of tokens; `AttentionBatch` says which sequence each be
 context lives. Prefill uses SDPA per sequence, short fresh prompts of one bucket length together (GQA through
 `enable_gqa`, no repeated KV); decode reads each sequence's blocks through its block table. A step that mixes
 the two (chunked prefill) puts its decoding sequences first: their single tokens take the decode path together,
-the rest the prefill path.
+the rest the prefill path. A batch of fresh prompts replayed from a CUDA graph is attended packed, one
+variable-length call a layer (varlen_attention).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class AttentionBatch:
     # Host-to-device copy of fresh_groups' indices (the runner's pinned upload: from pageable memory a copy waits
     # for the step in flight); None: a plain copy
     upload: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    # Fresh prompts one after the other, attended by one variable-length call a layer (varlen_attention): the
+    # prompts' boundaries (int32 [segments + 1] on the device, empty segments allowed) and the longest segment.
+    # Set by a CUDA graph of a batch of prompts (graphs.py), whose boundaries change from replay to replay.
+    varlen: tuple[torch.Tensor, int] | None = None
     _groups: tuple | None = field(default=None, repr=False, compare=False)  # fresh_groups, once a step
     _prefill: "AttentionBatch | None" = field(default=None, repr=False, compare=False)  # prefill_part, once a step
 
@@ -106,6 +111,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch:
 def prefill_step_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, decode) -> torch.Tensor:
     """Attention of a step that prefills: its leading decodes (a mixed step) on `decode(q, k_cache, v_cache,
     block_tables, context_lens)`, the rest on prefill_attention. k, v: this step's keys and values."""
+    if batch.varlen is not None:
+        return varlen_attention(q, k, v, *batch.varlen)
     d = batch.num_decodes
     if not d:
         return prefill_attention(q, k, v, k_cache, v_cache, batch)
@@ -169,6 +176,33 @@ def prefill_bucket(n: int) -> int:
         return max(16, 1 << (n - 1).bit_length())
     step = 128 if n <= 2048 else 1 << ((n - 1).bit_length() - 3)
     return -(-n // step) * step
+
+
+def varlen_supported(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether varlen_attention runs on the GPU for this model: FlashAttention's fp16/bf16, head_dim <= 256,
+    Ampere or later (the CPU always has its reference path)."""
+    if device.type != "cuda":
+        return True
+    return (dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and head_dim % 8 == 0
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, longest: int) -> torch.Tensor:
+    """Causal attention of packed sequences, q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim]
+    (GQA by the kernel, no repeated KV), sequence i's rows cu_seqlens[i]:cu_seqlens[i + 1] -> like q. On the GPU
+    one FlashAttention call whatever the sequences (its variable-length form reads the boundaries on the device:
+    a CUDA graph can replay it over other prompts); rows past the last boundary are left unwritten. The CPU's
+    reference attends each sequence by itself."""
+    if q.is_cuda:
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, True,
+                                                       False)[0]
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    return out
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
