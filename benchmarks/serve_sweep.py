@@ -88,16 +88,21 @@ def _client_process(url: str, model: str, streams: list[list[list[int]]], max_to
             # open every stream's connection (and warm the client's code paths) before the clock starts
             await asyncio.gather(*(client.models.list() for _ in streams))
             await asyncio.sleep(max(0.0, start_at - time.time()))
+            wall, cpu = time.perf_counter(), time.process_time()
             done = await asyncio.gather(*(stream_worker(client, q) for q in streams))
-        return [r for rs in done for r in rs]
+            busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
+        return [r for rs in done for r in rs], busy
 
     out.put(asyncio.run(main()))
 
 
-def run_level(url: str, model: str, concurrency: int, requests: list[list[int]], max_tokens: int) -> tuple[list, float]:
-    """`concurrency` closed-loop streams over `requests`; returns per-request records and the wall time."""
+def run_level(url: str, model: str, concurrency: int, requests: list[list[int]], max_tokens: int,
+              processes: int = 8) -> tuple[list, float, list[float]]:
+    """`concurrency` closed-loop streams over `requests`, split over `processes` client processes (at most one a
+    stream); returns per-request records, the wall time and each client process's CPU share while it ran (near 1:
+    that client's own work may be what paced its streams)."""
     streams = [requests[i::concurrency] for i in range(concurrency)]
-    procs_n = min(8, concurrency)
+    procs_n = min(processes, concurrency)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     start_at = time.time() + 3.0  # every process up before the first request
@@ -105,11 +110,12 @@ def run_level(url: str, model: str, concurrency: int, requests: list[list[int]],
              for p in range(procs_n)]
     for p in procs:
         p.start()
-    records = [r for _ in procs for r in out.get()]
+    done = [out.get() for _ in procs]
     for p in procs:
         p.join()
+    records = [r for rs, _ in done for r in rs]
     wall = max(r["end"] for r in records) - min(r["start"] for r in records)
-    return records, wall
+    return records, wall, [busy for _, busy in done]
 
 
 # ---- the bare engine ------------------------------------------------------------------------------------------------
@@ -230,8 +236,8 @@ def render_levels(result: dict) -> str:
 
     lines = [f"{result['model']}, {result.get('device')}; server start {result['server_start_s']:.0f} s",
              "| shape | streams | output tok/s | bare engine tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
-             "ITL p99 ms | mean batch | J/token | all tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p99 ms | mean batch | J/token | all tokens | client processes, busiest CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for lv in result["levels"]:
         t, p = lv["ttft_ms"], lv["tpot_ms"]
         lines.append(
@@ -239,7 +245,8 @@ def render_levels(result: dict) -> str:
             f"{' / '.join(fixed(t[q], 1) for q in (50, 90, 99))} | "
             f"{' / '.join(fixed(p[q], 2) for q in (50, 90, 99))} | "
             f"{fixed(lv['itl_ms'][99], 2)} | {fixed(lv['server'].get('mean_batch'), 1)} | "
-            f"{fixed(lv['joules_per_output_token'], 3)} | {lv['all_tokens']} |")
+            f"{fixed(lv['joules_per_output_token'], 3)} | {lv['all_tokens']} | "
+            f"{lv.get('client_processes', '-')}, {fixed(lv.get('client_cpu_max'), 2)} |")
     build = result.get("anatomy_build_ms_mean")
     lines += [f"anatomy build (off the step loop): {fixed(build, 1)} ms per call on average; "
               f"{fixed(result.get('anatomies_dropped'), 0)} dropped unbuilt",
@@ -291,6 +298,9 @@ def parse_args(argv: list[str] | None):
                     help="anatomies read per level for the server's view: the level's last (default 64)")
     ap.add_argument("--bench-prompts", type=positive_int,
                     help="then run `llm-anatomy bench` with this many prompts at the largest level, first shape")
+    ap.add_argument("--client-processes", type=positive_int, default=8,
+                    help="client processes the streams are split over, at most one a stream (default 8); each "
+                         "level reports the busiest one's CPU share")
     ap.add_argument("--port", type=port, default=8123)
     ap.add_argument("--no-baseline", action="store_true", help="skip the bare-engine comparison")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, help="for the server and the bare engine "
@@ -334,7 +344,7 @@ def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict
     prompt_len, max_tokens = shape
     requests = prompts(c * args.requests_per_stream, prompt_len, 2000 + c)
     energy0 = metric(url, "gpu_energy_joules_total")
-    records, wall = run_level(url, args.model, c, requests, max_tokens)
+    records, wall, client_cpu = run_level(url, args.model, c, requests, max_tokens, args.client_processes)
     energy1 = metric(url, "gpu_energy_joules_total")
     ok = [r for r in records if "error" not in r]
     reasons: dict[str, int] = {}
@@ -348,6 +358,7 @@ def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict
         "shape": f"{prompt_len}/{max_tokens}", "prompt_tokens": prompt_len, "output_tokens": max_tokens,
         "concurrency": c, "requests": len(records), "errors": len(records) - len(ok), "error_reasons": reasons,
         "wall_s": wall, "output_tok_s": tokens / wall, "bare_engine_tok_s": engine_tok_s,
+        "client_processes": len(client_cpu), "client_cpu_max": max(client_cpu),
         "server_to_engine": tokens / wall / engine_tok_s if engine_tok_s else None,
         "all_tokens": bool(ok) and all(r["tokens"] == max_tokens for r in ok),
         "ttft_ms": {q: pct([r["ttft_s"] * 1e3 for r in ok], q) for q in (50, 90, 99)},

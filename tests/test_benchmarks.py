@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -292,6 +293,8 @@ def test_check_core_refuses_a_case_longer_than_the_model_before_any_case_runs(sc
     (["--shapes", "128/128,"], "argument --shapes: want comma-separated PROMPT/OUTPUT token counts"),
     (["--shapes", "-1/5"], "argument --shapes"),
     (["--anatomy-sample", "0"], "argument --anatomy-sample: want a positive whole number"),
+    (["--client-processes", "0"], "argument --client-processes: want a positive whole number"),
+    (["--client-processes", "2.5"], "argument --client-processes: want a positive whole number"),
     (["--bench-prompts", "-3"], "argument --bench-prompts"),
     (["--stream-interval", "x"], "argument --stream-interval: want a positive whole number"),
     (["--max-num-batched-tokens", "x"], "argument --max-num-batched-tokens: want a positive whole number"),
@@ -365,6 +368,19 @@ def test_serve_sweep_runs_the_product_bench_with_the_anatomy_join(scripts, serve
     assert 0 <= found["anatomy"]["arrival_ms"]["p50"] < 1000 and found["anatomy"]["delivery_ms"]["p50"] is not None
 
 
+def test_serve_sweep_level_splits_the_streams_over_client_processes(scripts, server, monkeypatch):
+    """The closed loop's streams over --client-processes processes (never more than the streams): every request
+    comes back once, with each process's CPU share while it ran."""
+    sweep = scripts("serve_sweep")
+    monkeypatch.setitem(sys.modules, "serve_sweep", sweep)  # the client processes import it by name
+    server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.005, chunks=3)
+    requests = [[1, 2, i] for i in range(6)]
+    records, wall, busy = sweep.run_level(server.url, "tiny", 3, requests, 3, processes=2)
+    assert len(records) == 6 and all("error" not in r for r in records) and wall > 0
+    assert len(busy) == 2 and all(0 <= b < 2 for b in busy)
+    assert len(sweep.run_level(server.url, "tiny", 1, requests[:2], 3, processes=4)[2]) == 1
+
+
 def test_serve_sweep_table(scripts):
     sweep = scripts("serve_sweep")
     level = {"shape": "512/256", "concurrency": 64, "output_tok_s": 5294.4, "bare_engine_tok_s": 6451.2,
@@ -381,8 +397,10 @@ def test_serve_sweep_table(scripts):
     lines = sweep.render_levels(result).splitlines()
     assert lines[0] == "Qwen/Qwen3-8B, NVIDIA H200; server start 30 s"
     assert lines[3] == ("| 512/256 | 64 | 5294 | 6451 | 653.9 / 1558.9 / 1574.3 | 8.56 / 12.34 / 12.34 | 14.20 | "
-                        "50.0 | 0.116 | True |")
-    assert lines[4].startswith("| 512/256 | 512 | 5294 | - |") and lines[4].endswith("| 14.20 | - | - | True |")
+                        "50.0 | 0.116 | True | -, - |")  # a result written before the clients' CPU was kept
+    result["levels"][1].update(client_processes=8, client_cpu_max=0.914)
+    lines = sweep.render_levels(result).splitlines()
+    assert lines[4].startswith("| 512/256 | 512 | 5294 | - |") and lines[4].endswith("| 14.20 | - | - | True | 8, 0.91 |")
     assert lines[5] == "anatomy build (off the step loop): 15.4 ms per call on average; 12 dropped unbuilt"
     assert lines[7] == "llm-anatomy bench at 512 streams, 2000 prompts: exit 0, 14000 tok/s, errors 0"
     # the short table comes last: level, shape, engine and server tok/s, their ratio, errors, TTFT p50 / p99
