@@ -194,8 +194,9 @@ class GraphRunner:
                                                                           short.short_block_n))
         if max_prefill_tokens > 0:
             self._capture_prefill(plan, max_prefill_tokens)
-            cfg = self.model.config
-            if varlen_supported(self.model.model.embed_tokens.weight.dtype, cfg.head_dim, self.device):
+            cfg = self.model.config  # (an engine of one sequence a step never prefills two prompts together)
+            if self.max_batch >= 2 and varlen_supported(self.model.model.embed_tokens.weight.dtype, cfg.head_dim,
+                                                        self.device):
                 self._capture_prefill_batches(plan, len(self.prefill_ids))
         torch.cuda.synchronize(self.device)
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
