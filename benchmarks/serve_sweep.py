@@ -4,9 +4,10 @@ and then the server under a closed loop of that many streams, each sending its n
 last one ends, through the official openai client (retries off, so every failure counts).
 
 Clients run in several processes (one Python process parsing thousands of SSE chunks a second would itself
-delay the timestamps). Reported per level: output tokens/s of both and their ratio, failed requests and why,
-TTFT / TPOT / ITL percentiles as the client sees them, and the server's own view from a sample of the calls'
-anatomies (TTFT, batch sizes, queueing, stalls). `--bench-prompts N` also runs the product's load generator
+delay the timestamps; each level reports the busiest one's CPU share). Reported per level: output tokens/s of both
+and their ratio, failed requests and why, TTFT / TPOT / ITL percentiles as the client sees them, and the server's
+own view from a sample of the calls' anatomies (TTFT, batch sizes, queueing, stalls), with each sampled client
+TTFT split into its arrival at the server, the server's TTFT and the first token's way back. `--bench-prompts N` also runs the product's load generator
 (`llm-anatomy bench --anatomy`) against the same server at the largest level, with each request's TTFT split into
 its arrival at the server, the server's own TTFT and the first token's way back. A short table comes last; --out
 holds all.
@@ -51,7 +52,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 # ---- client ---------------------------------------------------------------------------------------------------------
 async def _one(client, model: str, ids: list[int], max_tokens: int) -> dict:
     """One streamed completion through the openai client; a failure is a record with its reason, not a raise."""
-    t0 = time.perf_counter()
+    t0, sent_unix = time.perf_counter(), time.time()
     times, tokens, anatomy_id = [], None, None
     try:
         raw = await client.completions.with_raw_response.create(
@@ -70,7 +71,8 @@ async def _one(client, model: str, ids: list[int], max_tokens: int) -> dict:
         return {"error": "the stream ended without text or usage", "start": t0, "end": t1, "tokens": tokens or 0}
     return {"ttft_s": times[0] - t0, "e2e_s": t1 - t0, "tokens": tokens, "chunks": len(times),
             "tpot_s": (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None,
-            "itl_s": [b - a for a, b in zip(times, times[1:])], "anatomy_id": anatomy_id, "start": t0, "end": t1}
+            "itl_s": [b - a for a, b in zip(times, times[1:])], "anatomy_id": anatomy_id, "sent_unix": sent_unix,
+            "start": t0, "end": t1}
 
 
 def _client_process(url: str, model: str, streams: list[list[list[int]]], max_tokens: int, start_at: float,
@@ -182,8 +184,11 @@ def metric(url: str, name: str) -> float | None:
 def server_view(url: str, records: list[dict], sample: int | None = None) -> dict:
     """What the calls' own anatomies say, from those the server still holds (its store keeps the latest ones: at
     many streams the first calls of a level may have been rotated out, or never built: a busy server drops the
-    oldest unbuilt ones). `sample`: read only the level's last that many (each read has the server build it)."""
-    anatomies, missing = [], 0
+    oldest unbuilt ones). `sample`: read only the level's last that many (each read has the server build it).
+    Beside them, where each client's TTFT went (clients and server on one host, so their wall clocks agree): from
+    the client's send to the server's first mark (`arrival_ms`: the client's own queue, the connection, the HTTP
+    side before the handler), the server's TTFT, then the first token's way back (`delivery_ms`)."""
+    anatomies, missing, arrival, delivery = [], 0, [], []
     records = [r for r in records if r.get("anatomy_id")]
     for r in records[-sample:] if sample else records:
         response = httpx.get(f"{url}/v1/anatomy/{r['anatomy_id']}", timeout=60)
@@ -194,8 +199,14 @@ def server_view(url: str, records: list[dict], sample: int | None = None) -> dic
         if "error" in response.json():  # dropped unbuilt by a busy server: there is no anatomy to read
             missing += 1
             continue
-        anatomies.append(response.json())
-    return {"anatomies": len(anatomies), "anatomies_missing": missing, **summarize_anatomies(anatomies)}
+        a = response.json()
+        anatomies.append(a)
+        if r.get("sent_unix") and a.get("started_at_unix"):
+            arrival.append((a["started_at_unix"] - r["sent_unix"]) * 1e3)
+            delivery.append(r["ttft_s"] * 1e3 - arrival[-1] - a["ttft_ms"])
+    split = {f"{name}_ms_p{q}": pct(values, q) for name, values in (("arrival", arrival), ("delivery", delivery))
+             for q in (50, 90)} if arrival else {}
+    return {"anatomies": len(anatomies), "anatomies_missing": missing, **summarize_anatomies(anatomies), **split}
 
 
 def summarize_anatomies(anatomies: list[dict]) -> dict:
@@ -236,8 +247,9 @@ def render_levels(result: dict) -> str:
 
     lines = [f"{result['model']}, {result.get('device')}; server start {result['server_start_s']:.0f} s",
              "| shape | streams | output tok/s | bare engine tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
-             "ITL p99 ms | mean batch | J/token | all tokens | client processes, busiest CPU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p99 ms | mean batch | J/token | all tokens | client processes, busiest CPU | "
+             "client TTFT p50: arrival / server / delivery ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lv in result["levels"]:
         t, p = lv["ttft_ms"], lv["tpot_ms"]
         lines.append(
@@ -246,7 +258,9 @@ def render_levels(result: dict) -> str:
             f"{' / '.join(fixed(p[q], 2) for q in (50, 90, 99))} | "
             f"{fixed(lv['itl_ms'][99], 2)} | {fixed(lv['server'].get('mean_batch'), 1)} | "
             f"{fixed(lv['joules_per_output_token'], 3)} | {lv['all_tokens']} | "
-            f"{lv.get('client_processes', '-')}, {fixed(lv.get('client_cpu_max'), 2)} |")
+            f"{lv.get('client_processes', '-')}, {fixed(lv.get('client_cpu_max'), 2)} | "
+            f"{fixed(lv['server'].get('arrival_ms_p50'), 1)} / {fixed(lv['server'].get('ttft_ms_p50'), 1)} / "
+            f"{fixed(lv['server'].get('delivery_ms_p50'), 1)} |")
     build = result.get("anatomy_build_ms_mean")
     lines += [f"anatomy build (off the step loop): {fixed(build, 1)} ms per call on average; "
               f"{fixed(result.get('anatomies_dropped'), 0)} dropped unbuilt",

@@ -332,8 +332,9 @@ def test_host_overhead_measures_each_part_at_each_batch_size(scripts, tmp_path, 
     assert capsys.readouterr().out.splitlines()[-1].startswith("| 3 |")
 
 
-def anatomy(ttft_ms: float, batch: int) -> dict:
-    return {"phases": [{"name": "queue", "start_ms": 1.0, "end_ms": 3.0}], "prefill": {"batch_size": 2, "ms": 10.0},
+def anatomy(ttft_ms: float, batch: int, started_at_unix: float = 0.0) -> dict:
+    return {"started_at_unix": started_at_unix,
+            "phases": [{"name": "queue", "start_ms": 1.0, "end_ms": 3.0}], "prefill": {"batch_size": 2, "ms": 10.0},
             "decode_steps": [{"batch_size": batch, "host_ms": 0.5, "gpu_ms": 4.0}] * 3, "ttft_ms": ttft_ms,
             "tpot_ms": 4.1, "batching": {"queue_ms": 2.0, "stall_ms": 0.0}, "decode": {"roofline": {"mbu": 0.8}}}
 
@@ -354,6 +355,20 @@ def test_serve_sweep_server_view_skips_anatomies_the_store_rotated_out(scripts, 
     assert sweep.server_view("http://server", [{"anatomy_id": "b"}]) == {"anatomies": 0, "anatomies_missing": 1}
     last = sweep.server_view("http://server", [{"anatomy_id": i} for i in "abc"], sample=1)  # the level's last only
     assert (last["anatomies"], last["anatomies_missing"], last["ttft_ms_p50"]) == (1, 0, 30.0)
+    assert "arrival_ms_p50" not in last  # records without a send time (and anatomies without a start): no split
+
+
+def test_serve_sweep_splits_the_clients_ttft_around_the_servers(scripts, monkeypatch):
+    """Client TTFT = arrival (send -> the server's first mark) + the server's TTFT + delivery, per request."""
+    sweep = scripts("serve_sweep")
+    held = {"a": anatomy(40.0, 4, started_at_unix=1000.120), "b": anatomy(60.0, 4, started_at_unix=2000.300)}
+    monkeypatch.setattr(sweep.httpx, "get", lambda url, timeout: SimpleNamespace(
+        status_code=200, json=lambda: held[url.rsplit("/", 1)[1]], raise_for_status=lambda: None))
+    records = [{"anatomy_id": "a", "sent_unix": 1000.0, "ttft_s": 0.170},  # 120 + 40 + 10 ms
+               {"anatomy_id": "b", "sent_unix": 2000.0, "ttft_s": 0.400}]  # 300 + 60 + 40 ms
+    view = sweep.server_view("http://server", records)
+    assert (view["arrival_ms_p50"], view["arrival_ms_p90"]) == (pytest.approx(120.0), pytest.approx(300.0))
+    assert (view["delivery_ms_p50"], view["delivery_ms_p90"]) == (pytest.approx(10.0), pytest.approx(40.0))
 
 
 def test_serve_sweep_runs_the_product_bench_with_the_anatomy_join(scripts, server, tmp_path):
@@ -373,11 +388,13 @@ def test_serve_sweep_level_splits_the_streams_over_client_processes(scripts, ser
     comes back once, with each process's CPU share while it ran."""
     sweep = scripts("serve_sweep")
     monkeypatch.setitem(sys.modules, "serve_sweep", sweep)  # the client processes import it by name
-    server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.005, chunks=3)
+    server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.005, chunks=3, anatomy=True)
     requests = [[1, 2, i] for i in range(6)]
     records, wall, busy = sweep.run_level(server.url, "tiny", 3, requests, 3, processes=2)
     assert len(records) == 6 and all("error" not in r for r in records) and wall > 0
     assert len(busy) == 2 and all(0 <= b < 2 for b in busy)
+    view = sweep.server_view(server.url, records)  # the fake's anatomies start when their requests arrived
+    assert view["anatomies"] == 6 and 0 <= view["arrival_ms_p50"] < 1000
     assert len(sweep.run_level(server.url, "tiny", 1, requests[:2], 3, processes=4)[2]) == 1
 
 
@@ -397,10 +414,12 @@ def test_serve_sweep_table(scripts):
     lines = sweep.render_levels(result).splitlines()
     assert lines[0] == "Qwen/Qwen3-8B, NVIDIA H200; server start 30 s"
     assert lines[3] == ("| 512/256 | 64 | 5294 | 6451 | 653.9 / 1558.9 / 1574.3 | 8.56 / 12.34 / 12.34 | 14.20 | "
-                        "50.0 | 0.116 | True | -, - |")  # a result written before the clients' CPU was kept
-    result["levels"][1].update(client_processes=8, client_cpu_max=0.914)
+                        "50.0 | 0.116 | True | -, - | - / - / - |")  # written before the clients' CPU was kept
+    result["levels"][1].update(client_processes=8, client_cpu_max=0.914,
+                               server={"ttft_ms_p50": 67.04, "arrival_ms_p50": 12.25, "delivery_ms_p50": 448.0})
     lines = sweep.render_levels(result).splitlines()
-    assert lines[4].startswith("| 512/256 | 512 | 5294 | - |") and lines[4].endswith("| 14.20 | - | - | True | 8, 0.91 |")
+    assert lines[4].startswith("| 512/256 | 512 | 5294 | - |")
+    assert lines[4].endswith("| 14.20 | - | - | True | 8, 0.91 | 12.2 / 67.0 / 448.0 |")
     assert lines[5] == "anatomy build (off the step loop): 15.4 ms per call on average; 12 dropped unbuilt"
     assert lines[7] == "llm-anatomy bench at 512 streams, 2000 prompts: exit 0, 14000 tok/s, errors 0"
     # the short table comes last: level, shape, engine and server tok/s, their ratio, errors, TTFT p50 / p99
