@@ -187,3 +187,12 @@ def test_a_sweep_without_a_datasheet_cannot_be_carried_to_another_gpu(tmp_path):
         plan("h200", "Qwen3-0.6B", from_sweep=tmp_path / "sweep")
     with pytest.raises(AnatomyError, match="not a sweep directory"):
         plan("h200", "Qwen3-0.6B", from_sweep=tmp_path / "nothing")
+
+
+def test_the_planner_counts_as_eager_the_prefills_the_engine_runs_eagerly():
+    """eager_prefill follows the engine's graphs: one fresh prompt up to 2048 tokens, or 2-64 fresh prompts that
+    fit a batch-prefill graph (at least 8 tokens a prompt of its size), replay one; the rest run eagerly."""
+    assert not eager_prefill(1, 2048) and eager_prefill(1, 2049) and eager_prefill(1, 100, cached=16)
+    assert not eager_prefill(2, 20) and not eager_prefill(8, 1024) and not eager_prefill(64, 2048)
+    assert eager_prefill(33, 33 * 7) and not eager_prefill(32, 32 * 7)  # a graph of 256 takes 32 prompts
+    assert eager_prefill(65, 2048) and eager_prefill(2, 2049) and eager_prefill(4, 512, cached=10)

@@ -50,6 +50,13 @@ def batch_prompts(size: int, max_batch: int) -> int:
     return min(MAX_BATCH_PROMPTS, max_batch, size // 8)
 
 
+def batch_graph_size(prompts: int, tokens: int, sizes, max_batch: int) -> int | None:
+    """The batch-prefill graph (of `sizes`, ascending) that replays `prompts` whole fresh prompts of `tokens`
+    together, if one does: the first size that holds the tokens, if it takes that many prompts."""
+    size = next((t for t in sizes if t >= tokens), None)
+    return size if size is not None and 2 <= prompts <= batch_prompts(size, max_batch) else None
+
+
 def stage_prefill_batch(seqs: list[Sequence], size: int, prompts: int, stage: torch.Tensor,
                         bounds: torch.Tensor) -> None:
     """A batch of whole prompts' inputs into host tensors, packed one after the other and padded to `size`:
@@ -325,9 +332,7 @@ class GraphRunner:
         if (not self.batch_prefill_graphs or len(seqs) < 2 or batch.num_decodes or len(batch.sampled) != len(seqs)
                 or any(s.num_cached or n != s.num_tokens for s, n in zip(seqs, batch.query_lens))):
             return None
-        total = sum(batch.query_lens)
-        size = next((t for t in sorted(self.batch_prefill_graphs) if t >= total), None)
-        return size if size is not None and len(seqs) <= batch_prompts(size, self.max_batch) else None
+        return batch_graph_size(len(seqs), sum(batch.query_lens), sorted(self.batch_prefill_graphs), self.max_batch)
 
     def prefill_batch(self, seqs: list[Sequence], size: int) -> torch.Tensor:
         """Replay the batch-prefill graph of `size` (batch_size_for) over these whole prompts: their last rows'

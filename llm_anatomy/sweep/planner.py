@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..engine.graphs import PREFILL_GRAPH_TOKENS
+from ..engine.graphs import BATCH_PREFILL_TOKENS, PREFILL_GRAPH_TOKENS, batch_graph_size
 from ..engine.scheduler import CHUNK_ALIGN
 from ..errors import AnatomyError
 from ..models.config import ModelConfig
@@ -182,9 +182,12 @@ def prefill_features(parts: dict, hw: Hardware, quantization: str | None, eager:
 
 def eager_prefill(seqs: int, tokens: int, cached: int = 0) -> bool:
     """Whether the engine runs a prefill step eagerly: it replays a captured graph for one fresh prompt of up to
-    PREFILL_GRAPH_TOKENS (engine/graphs.py) only. Eager, the host's launches can outlast a short step's device
-    work (the measured difference: docs/sweep.md)."""
-    return seqs > 1 or cached > 0 or tokens > PREFILL_GRAPH_TOKENS
+    PREFILL_GRAPH_TOKENS, or for 2-64 fresh prompts that fit a batch-prefill graph (engine/graphs.py), not for
+    others. Eager, the host's launches can outlast a short step's device work (the measured difference:
+    docs/sweep.md)."""
+    if cached > 0 or tokens > PREFILL_GRAPH_TOKENS:
+        return True
+    return seqs > 1 and batch_graph_size(seqs, tokens, BATCH_PREFILL_TOKENS, seqs) is None
 
 
 def _smax(a, b):
