@@ -385,7 +385,7 @@ class StartupRecord:
     """What the process spent once, before its first call: not part of this call's timings."""
     total_s: float  # Engine.from_pretrained: config, tokenizer, weights, KV pool, and what follows
     compile_and_capture_s: float  # Triton compiles, GEMV tile tuning, CUDA-graph capture, prefill warm-up
-    cuda_graphs: int  # decode batch buckets and short-prefill lengths captured (0: eager, e.g. on the CPU)
+    cuda_graphs: int  # decode batch buckets, prefill lengths and batch-prefill sizes captured (0: eager, e.g. CPU)
     programmatic_dependent_launch: bool
     streaming_gemv: bool = False  # batch-1 GEMVs by the CUDA kernel that reads weights before its wait
     tile_tuning_s: float = 0.0  # of compile_and_capture_s: the decode GEMVs' tiles, timed in the decode step
