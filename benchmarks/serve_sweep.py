@@ -7,9 +7,9 @@ Clients run in several processes (one Python process parsing thousands of SSE ch
 delay the timestamps; each level reports the busiest one's CPU share). Reported per level: output tokens/s of both
 and their ratio, failed requests and why, TTFT / TPOT / ITL percentiles as the client sees them, and the server's
 own view from a sample of the calls' anatomies (TTFT, batch sizes, queueing, stalls), with each sampled client
-TTFT split into its arrival at the server, the server's TTFT and the first token's way back. `--bench-prompts N` also runs the product's load generator
-(`llm-anatomy bench --anatomy`) against the same server at the largest level, with each request's TTFT split into
-its arrival at the server, the server's own TTFT and the first token's way back. A short table comes last; --out
+TTFT split into its arrival at the server, the server's TTFT and the first token's way back. `--bench-prompts N`
+also runs the product's load generator (`llm-anatomy bench --anatomy`) against the same server at the largest
+level, with each request's TTFT split the same way. A short table comes last; --out
 holds all.
 
     python3 benchmarks/serve_sweep.py --levels 1,64,256,512 --shapes 128/128,512/256 --requests-per-stream 4 \

@@ -201,7 +201,8 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, longest: int) -> torch.T
     for start, end in zip(bounds, bounds[1:]):
         if end > start:
             qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            out[start:end] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            alone = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+            out[start:end] = alone[0].transpose(0, 1)
     return out
 
 
