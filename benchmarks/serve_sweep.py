@@ -185,9 +185,11 @@ def server_view(url: str, records: list[dict], sample: int | None = None) -> dic
     """What the calls' own anatomies say, from those the server still holds (its store keeps the latest ones: at
     many streams the first calls of a level may have been rotated out, or never built: a busy server drops the
     oldest unbuilt ones). `sample`: read only the level's last that many (each read has the server build it).
-    Beside them, where each client's TTFT went (clients and server on one host, so their wall clocks agree): from
-    the client's send to the server's first mark (`arrival_ms`: the client's own queue, the connection, the HTTP
-    side before the handler), the server's TTFT, then the first token's way back (`delivery_ms`)."""
+    Beside them, where each client's TTFT went (clients and server on one host, so their wall clocks agree):
+    `arrival_ms` and `delivery_ms` around the server's TTFT, as `llm-anatomy bench --anatomy` splits it
+    (bench.join.ttft_split)."""
+    from llm_anatomy.bench.join import ttft_split
+
     anatomies, missing, arrival, delivery = [], 0, [], []
     records = [r for r in records if r.get("anatomy_id")]
     for r in records[-sample:] if sample else records:
@@ -201,9 +203,10 @@ def server_view(url: str, records: list[dict], sample: int | None = None) -> dic
             continue
         a = response.json()
         anatomies.append(a)
-        if r.get("sent_unix") and a.get("started_at_unix"):
-            arrival.append((a["started_at_unix"] - r["sent_unix"]) * 1e3)
-            delivery.append(r["ttft_s"] * 1e3 - arrival[-1] - a["ttft_ms"])
+        if "sent_unix" in r:  # a completed request's record
+            came, went = ttft_split(r["sent_unix"], r["ttft_s"], a)
+            arrival += [came] if came is not None else []
+            delivery += [went] if went is not None else []
     split = {f"{name}_ms_p{q}": pct(values, q) for name, values in (("arrival", arrival), ("delivery", delivery))
              for q in (50, 90)} if arrival else {}
     return {"anatomies": len(anatomies), "anatomies_missing": missing, **summarize_anatomies(anatomies), **split}

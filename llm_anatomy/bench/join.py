@@ -42,16 +42,22 @@ async def fetch_summaries(session: aiohttp.ClientSession, base_url: str, ids: li
     return dict(await asyncio.gather(*(one(i) for i in ids)))
 
 
-def _row(r: RequestResult, s: dict) -> dict:
-    """One request seen from both sides (ms). `arrival_ms`: from the client's send to the server's start (its
-    request received), on the wall clocks of both; `delivery_ms`: the rest of the client's TTFT after the
+def ttft_split(sent_unix: float | None, client_ttft_s: float, server: dict) -> tuple[float | None, float | None]:
+    """(arrival_ms, delivery_ms) of one request, its client TTFT around the server's (`server`: its anatomy or
+    summary, with `started_at_unix` and `ttft_ms`). `arrival_ms`: from the client's send to the server's start
+    (its request received), on the wall clocks of both; `delivery_ms`: the rest of the client's TTFT after the
     arrival and the server's own TTFT (the first token's way back: the server's HTTP side, SSE, the client)."""
+    if sent_unix is None or not server.get("started_at_unix"):
+        return None, None
+    arrival = (server["started_at_unix"] - sent_unix) * 1e3
+    ttft = server.get("ttft_ms")
+    return arrival, None if ttft is None else client_ttft_s * 1e3 - arrival - ttft
+
+
+def _row(r: RequestResult, s: dict) -> dict:
+    """One request seen from both sides (ms), its TTFT split as ttft_split says."""
     prefill, batching = s.get("prefill") or {}, s.get("batching") or {}
-    arrival = delivery = None
-    if r.sent_unix is not None and s.get("started_at_unix"):
-        arrival = (s["started_at_unix"] - r.sent_unix) * 1e3
-        if s.get("ttft_ms") is not None:
-            delivery = r.ttft_s * 1e3 - arrival - s["ttft_ms"]
+    arrival, delivery = ttft_split(r.sent_unix, r.ttft_s, s)
     return {
         "id": s["id"],
         "client_ttft_ms": r.ttft_s * 1e3, "server_ttft_ms": s.get("ttft_ms"),
