@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -39,10 +40,6 @@ GRAPH_PREFILL_TOKENS = tuple(sorted({prefill_bucket(n) for n in range(1, PREFILL
 # to batch_prompts(size) prompts (the logits it computes: one row each).
 BATCH_PREFILL_TOKENS = (256, 512, 768, 1024, 1280, 1536, 1792, 2048)
 MAX_BATCH_PROMPTS = 64
-
-
-def batch_prefill_sizes(max_tokens: int) -> list[int]:
-    return [t for t in BATCH_PREFILL_TOKENS if t <= max_tokens]
 
 
 def batch_prompts(size: int, max_batch: int) -> int:
@@ -255,7 +252,7 @@ class GraphRunner:
     def _capture_prefill_batches(self, plan: ExecutionPlan, max_tokens: int) -> None:
         """Graphs of whole prompts packed together (stage_prefill_batch), over the single prompts' input buffers.
         Their logits go to one buffer that they share (a graph's own output would stay allocated per graph)."""
-        sizes = batch_prefill_sizes(max_tokens)
+        sizes = [t for t in BATCH_PREFILL_TOKENS if t <= max_tokens]
         if not sizes:
             return
         most = batch_prompts(sizes[-1], self.max_batch)
@@ -268,10 +265,8 @@ class GraphRunner:
         for t in reversed(sizes):
             p = batch_prompts(t, self.max_batch)
             self.batch_bounds[p + 1:].fill_(t)  # captured over one sequence of t tokens
-            batch = AttentionBatch(self.pool.k, self.pool.v, self.prefill_slots[:t], True,
-                                   torch.zeros(1, 1, dtype=torch.int32, device=dev),
-                                   torch.tensor([t], dtype=torch.int32, device=dev), (t,), (0,),
-                                   varlen=(self.batch_bounds[:p + 2], t))
+            batch = replace(AttentionBatch.fresh_prompt(self.pool.k, self.pool.v, self.prefill_slots[:t]),
+                            varlen=(self.batch_bounds[:p + 2], t))
 
             def forward(t=t, p=p, batch=batch):
                 hidden = self.model(self.prefill_ids[:t], self.prefill_pos[:t], batch, plan)
