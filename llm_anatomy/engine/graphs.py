@@ -322,9 +322,9 @@ class GraphRunner:
 
     def batch_size_for(self, batch: ScheduledBatch) -> int | None:
         """The batch-prefill graph that replays this step, if one does: two or more whole prompts with nothing
-        cached (each sampled), no decodes, that fit its tokens and prompts."""
+        cached (so no decodes, and each sampled) that fit its tokens and prompts."""
         seqs = batch.seqs
-        if (not self.batch_prefill_graphs or len(seqs) < 2 or batch.num_decodes or len(batch.sampled) != len(seqs)
+        if (not self.batch_prefill_graphs or len(seqs) < 2
                 or any(s.num_cached or n != s.num_tokens for s, n in zip(seqs, batch.query_lens))):
             return None
         return batch_graph_size(len(seqs), sum(batch.query_lens), sorted(self.batch_prefill_graphs), self.max_batch)
