@@ -1,7 +1,10 @@
 """Concurrency sweep of `llm-anatomy serve` beside the bare engine, in one run: for each request shape (prompt /
-output tokens) and each level of concurrent streams, the engine alone (generate_many, no HTTP, no anatomy)
-and then the server under a closed loop of that many streams, each sending its next request as soon as the
-last one ends, through the official openai client (retries off, so every failure counts).
+output tokens) and each level of concurrent streams, the engine alone (generate_many, no HTTP, no anatomy: one
+batch of that many prompts, and then the server's very workload as a closed loop on the engine itself) and then
+the server under a closed loop of that many streams, each sending its next request as soon as the last one
+ends, through the official openai client (retries off, so every failure counts). A closed loop's streams drift
+apart and its last round ends one stream at a time, the batch emptying, where one batch ends all at once: each
+level also gives the tok/s while every stream was busy ("steady") and how long that drain took.
 
 Clients run in several processes (one Python process parsing thousands of SSE chunks a second would itself
 delay the timestamps; each level reports the busiest one's CPU share). Reported per level: output tokens/s of both
@@ -49,15 +52,23 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(0, 151643) for _ in range(length)] for _ in range(n)]  # below the special tokens
 
 
+def level_requests(concurrency: int, per_stream: int, length: int) -> list[list[int]]:
+    """A level's requests, the same for the server and the bare engine's closed loop."""
+    return prompts(concurrency * per_stream, length, 2000 + concurrency)
+
+
 # ---- client ---------------------------------------------------------------------------------------------------------
 async def _one(client, model: str, ids: list[int], max_tokens: int) -> dict:
     """One streamed completion through the openai client; a failure is a record with its reason, not a raise."""
     t0, sent_unix = time.perf_counter(), time.time()
     times, tokens, anatomy_id = [], None, None
     try:
+        # the token ids go in extra_body, which the client sends as it is: as `prompt` it walks them one by one
+        # (about 17 us an id, 2 ms a 128-token prompt: a process's streams that end in the same step then
+        # wait on each other before anything is sent, measured as "arrival"); the body sent is the same
         raw = await client.completions.with_raw_response.create(
-            model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=model, prompt="", max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"prompt": ids, "ignore_eos": True})
         anatomy_id = raw.headers.get("x-anatomy-id")
         async for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].text:
@@ -69,19 +80,19 @@ async def _one(client, model: str, ids: list[int], max_tokens: int) -> dict:
     t1 = time.perf_counter()
     if not times or tokens is None:
         return {"error": "the stream ended without text or usage", "start": t0, "end": t1, "tokens": tokens or 0}
-    return {"ttft_s": times[0] - t0, "e2e_s": t1 - t0, "tokens": tokens, "chunks": len(times),
+    return {"ttft_s": times[0] - t0, "e2e_s": t1 - t0, "tokens": tokens, "chunks": len(times), "times": times,
             "tpot_s": (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None,
             "itl_s": [b - a for a, b in zip(times, times[1:])], "anatomy_id": anatomy_id, "sent_unix": sent_unix,
             "start": t0, "end": t1}
 
 
-def _client_process(url: str, model: str, streams: list[list[list[int]]], max_tokens: int, start_at: float,
-                    out) -> None:
+def _client_process(url: str, model: str, streams: list[tuple[int, list[list[int]]]], max_tokens: int,
+                    start_at: float, out) -> None:
     import httpx
     import openai
 
-    async def stream_worker(client, queue):
-        return [await _one(client, model, ids, max_tokens) for ids in queue]
+    async def stream_worker(client, number, queue):
+        return [{**await _one(client, model, ids, max_tokens), "stream": number} for ids in queue]
 
     async def main():
         limits = httpx.Limits(max_connections=len(streams) + 4, max_keepalive_connections=len(streams) + 4)
@@ -91,7 +102,7 @@ def _client_process(url: str, model: str, streams: list[list[list[int]]], max_to
             await asyncio.gather(*(client.models.list() for _ in streams))
             await asyncio.sleep(max(0.0, start_at - time.time()))
             wall, cpu = time.perf_counter(), time.process_time()
-            done = await asyncio.gather(*(stream_worker(client, q) for q in streams))
+            done = await asyncio.gather(*(stream_worker(client, n, q) for n, q in streams))
             busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
         return [r for rs in done for r in rs], busy
 
@@ -103,7 +114,7 @@ def run_level(url: str, model: str, concurrency: int, requests: list[list[int]],
     """`concurrency` closed-loop streams over `requests`, split over `processes` client processes (at most one a
     stream); returns per-request records, the wall time and each client process's CPU share while it ran (near 1:
     that client's own work may be what paced its streams)."""
-    streams = [requests[i::concurrency] for i in range(concurrency)]
+    streams = list(enumerate(closed_loop_streams(requests, concurrency)))
     procs_n = min(processes, concurrency)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -120,9 +131,71 @@ def run_level(url: str, model: str, concurrency: int, requests: list[list[int]],
     return records, wall, [busy for _, busy in done]
 
 
+def closed_loop_streams(requests: list, concurrency: int) -> list[list]:
+    """The requests each of `concurrency` streams sends in turn (the server's clients and the engine's loop alike)."""
+    return [requests[i::concurrency] for i in range(concurrency)]
+
+
+def steady(first_sends: list[float], last_ends: list[float], tokens_at: list[tuple[float, float]]) -> dict:
+    """Output tok/s while every stream of a closed loop had a request in flight: from the last stream's first
+    send to the first stream's last answer. Left out: the drain after it, where the last round's streams end one
+    by one and the batch empties (a bare-engine batch ends all at once and has none). `tokens_at`: (time,
+    output tokens) as they came."""
+    start, end = max(first_sends), min(last_ends)
+    if end <= start:
+        return {"steady_s": 0.0, "steady_tok_s": None, "drain_s": max(last_ends) - end}
+    tokens = sum(n for t, n in tokens_at if start <= t <= end)
+    return {"steady_s": end - start, "steady_tok_s": tokens / (end - start), "drain_s": max(last_ends) - end}
+
+
+def client_steady(records: list[dict]) -> dict:
+    """`steady` over a level's client records (each with its stream, send, end and the chunks' arrival times)."""
+    first, last = {}, {}
+    for r in records:
+        first[r["stream"]] = min(first.get(r["stream"], r["start"]), r["start"])
+        last[r["stream"]] = max(last.get(r["stream"], r["end"]), r["end"])
+    tokens_at = [(t, r["tokens"] / len(r["times"])) for r in records if r.get("times") for t in r["times"]]
+    return steady(list(first.values()), list(last.values()), tokens_at)
+
+
 # ---- the bare engine ------------------------------------------------------------------------------------------------
-def bare_engine(model: str, levels: list[int], shapes: list[tuple[int, int]], settings: dict) -> list[dict]:
-    """Per shape and level: that many prompts at once through generate_many, timed to the last token."""
+def engine_closed_loop(engine, streams: list[list[list[int]]], max_tokens: int) -> dict:
+    """The server's workload on the bare engine: each stream's next request added as soon as its last one ends
+    (no HTTP, no client between them), timed to the last token, with its `steady` part."""
+    import torch
+
+    params = engine.sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    queues = [list(q) for q in streams]
+    running = {n: engine.add_request(q.pop(0), params) for n, q in enumerate(queues)}
+    first = dict.fromkeys(running, t0)
+    last, tokens_at, emitted, total = {}, [], dict.fromkeys(running, 0), 0
+    while running:
+        engine.step()
+        now, step_tokens = time.perf_counter(), 0
+        for n, seq in list(running.items()):
+            produced = len(seq.output_token_ids)
+            step_tokens += produced - emitted[n]
+            emitted[n] = produced
+            if seq.finished:
+                total += produced
+                if queues[n]:
+                    running[n], emitted[n] = engine.add_request(queues[n].pop(0), params), 0
+                else:
+                    del running[n]
+                    last[n] = now
+        tokens_at.append((now, step_tokens))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"output_tok_s": total / wall, "wall_s": wall,
+            **steady(list(first.values()), list(last.values()), tokens_at)}
+
+
+def bare_engine(model: str, levels: list[int], shapes: list[tuple[int, int]], settings: dict,
+                requests_per_stream: int) -> list[dict]:
+    """Per shape and level: that many prompts at once through generate_many, timed to the last token (one batch,
+    ending together); then the same closed loop of streams the server gets (`engine_closed_loop`)."""
     import torch
 
     from llm_anatomy import Engine
@@ -139,9 +212,12 @@ def bare_engine(model: str, levels: list[int], shapes: list[tuple[int, int]], se
             t0 = time.perf_counter()
             engine.generate_many(batch, max_tokens=max_tokens, temperature=0, ignore_eos=True)
             wall = time.perf_counter() - t0
+            looped = engine_closed_loop(engine, closed_loop_streams(
+                level_requests(c, requests_per_stream, prompt_len), c), max_tokens)
             out.append({"shape": f"{prompt_len}/{max_tokens}", "concurrency": c,
-                        "output_tok_s": c * max_tokens / wall, "wall_s": wall})
-            print(f"engine {prompt_len}/{max_tokens} c={c}: {out[-1]['output_tok_s']:.0f} tok/s", flush=True)
+                        "output_tok_s": c * max_tokens / wall, "wall_s": wall, "closed_loop": looped})
+            print(f"engine {prompt_len}/{max_tokens} c={c}: {out[-1]['output_tok_s']:.0f} tok/s one batch, "
+                  f"{looped['output_tok_s']:.0f} in a closed loop", flush=True)
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -274,12 +350,22 @@ def render_levels(result: dict) -> str:
         lines.append(f"llm-anatomy bench at {bench['concurrency']} streams, {bench['num_prompts']} prompts: exit "
                      f"{bench['exit']}, {fixed(bench.get('output_tok_s'), 0)} tok/s, "
                      f"errors {(bench.get('errors') or {}).get('count', '-')}")
-    lines += ["", "| level | shape | engine tok/s | server tok/s | ratio | errors | TTFT p50 / p99 ms |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Engine: one batch of that many prompts (generate_many), and the server's closed loop run on it "
+                  "directly. Steady: while every stream had a request in flight (the closed loop's drain left out).",
+              "| level | shape | engine tok/s: one batch / closed loop | server tok/s | server / engine: one batch, "
+              "closed loop | steady tok/s: server / engine closed loop | drain s: server / engine | errors | "
+              "TTFT p50 / p99 ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
+
+    def share(a, b):
+        return f"{a / b:.0%}" if a and b else "-"
+
     for lv in result["levels"]:
-        engine, served = lv["bare_engine_tok_s"], lv["output_tok_s"]
-        ratio = f"{served / engine:.0%}" if engine else "-"
-        lines.append(f"| {lv['concurrency']} | {lv['shape']} | {fixed(engine, 0)} | {served:.0f} | {ratio} | "
+        engine, looped, served = lv["bare_engine_tok_s"], lv.get("engine_closed_loop_tok_s"), lv["output_tok_s"]
+        lines.append(f"| {lv['concurrency']} | {lv['shape']} | {fixed(engine, 0)} / {fixed(looped, 0)} | "
+                     f"{served:.0f} | {share(served, engine)}, {share(served, looped)} | "
+                     f"{fixed(lv.get('steady_tok_s'), 0)} / {fixed(lv.get('engine_closed_loop_steady_tok_s'), 0)} | "
+                     f"{fixed(lv.get('drain_s'), 1)} / {fixed(lv.get('engine_closed_loop_drain_s'), 1)} | "
                      f"{lv['errors']} | {fixed(lv['ttft_ms'][50], 1)} / {fixed(lv['ttft_ms'][99], 1)} |")
     return "\n".join(lines)
 
@@ -359,7 +445,7 @@ def run_bench(url: str, args, out: Path) -> dict:
 
 def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict) -> dict:
     prompt_len, max_tokens = shape
-    requests = prompts(c * args.requests_per_stream, prompt_len, 2000 + c)
+    requests = level_requests(c, args.requests_per_stream, prompt_len)
     energy0 = metric(url, "gpu_energy_joules_total")
     records, wall, client_cpu = run_level(url, args.model, c, requests, max_tokens, args.client_processes)
     energy1 = metric(url, "gpu_energy_joules_total")
@@ -370,13 +456,21 @@ def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict
             reasons[r["error"]] = reasons.get(r["error"], 0) + 1
     tokens = sum(r["tokens"] for r in ok)
     itl = [x for r in ok for x in r["itl_s"]]
-    engine_tok_s = baseline.get((f"{prompt_len}/{max_tokens}", c), {}).get("output_tok_s")
+    bare = baseline.get((f"{prompt_len}/{max_tokens}", c), {})
+    engine_tok_s, looped = bare.get("output_tok_s"), bare.get("closed_loop") or {}
+    held = client_steady(records)
     return {
         "shape": f"{prompt_len}/{max_tokens}", "prompt_tokens": prompt_len, "output_tokens": max_tokens,
         "concurrency": c, "requests": len(records), "errors": len(records) - len(ok), "error_reasons": reasons,
         "wall_s": wall, "output_tok_s": tokens / wall, "bare_engine_tok_s": engine_tok_s,
         "client_processes": len(client_cpu), "client_cpu_max": max(client_cpu),
         "server_to_engine": tokens / wall / engine_tok_s if engine_tok_s else None,
+        # the same closed loop on the bare engine: what the server costs on the very same workload
+        "engine_closed_loop_tok_s": looped.get("output_tok_s"),
+        "server_to_engine_closed_loop": tokens / wall / looped["output_tok_s"] if looped else None,
+        "engine_closed_loop_steady_tok_s": looped.get("steady_tok_s"),
+        "engine_closed_loop_drain_s": looped.get("drain_s"),
+        **held,
         "all_tokens": bool(ok) and all(r["tokens"] == max_tokens for r in ok),
         "ttft_ms": {q: pct([r["ttft_s"] * 1e3 for r in ok], q) for q in (50, 90, 99)},
         "tpot_ms": {q: pct([r["tpot_s"] * 1e3 for r in ok if r["tpot_s"]], q) for q in (50, 90, 99)},
@@ -403,7 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"mixed_steps": args.mixed_steps}
     if args.max_num_batched_tokens:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
-    bare = [] if args.no_baseline else bare_engine(args.model, levels, args.shapes, settings)
+    bare = [] if args.no_baseline else bare_engine(args.model, levels, args.shapes, settings,
+                                                   args.requests_per_stream)
     result["bare_engine"] = bare
     baseline = {(b["shape"], b["concurrency"]): b for b in bare}
 

@@ -392,6 +392,9 @@ def test_serve_sweep_level_splits_the_streams_over_client_processes(scripts, ser
     requests = [[1, 2, i] for i in range(6)]
     records, wall, busy = sweep.run_level(server.url, "tiny", 3, requests, 3, processes=2)
     assert len(records) == 6 and all("error" not in r for r in records) and wall > 0
+    # each request's body holds its own token ids as the prompt (sent through extra_body, as they are)
+    assert sorted(b["prompt"] for b in server.bodies if "prompt" in b) == sorted(requests)
+    assert sorted(r["stream"] for r in records) == [0, 0, 1, 1, 2, 2]
     assert len(busy) == 2 and all(0 <= b < 2 for b in busy)
     view = sweep.server_view(server.url, records)  # the fake's anatomies start when their requests arrived
     assert view["anatomies"] == 6 and 0 <= view["arrival_ms_p50"] < 1000
@@ -422,9 +425,55 @@ def test_serve_sweep_table(scripts):
     assert lines[4].endswith("| 14.20 | - | - | True | 8, 0.91 | 12.2 / 67.0 / 448.0 |")
     assert lines[5] == "anatomy build (off the step loop): 15.4 ms per call on average; 12 dropped unbuilt"
     assert lines[7] == "llm-anatomy bench at 512 streams, 2000 prompts: exit 0, 14000 tok/s, errors 0"
-    # the short table comes last: level, shape, engine and server tok/s, their ratio, errors, TTFT p50 / p99
-    assert lines[-4] == "| level | shape | engine tok/s | server tok/s | ratio | errors | TTFT p50 / p99 ms |"
-    assert lines[-2] == "| 64 | 512/256 | 6451 | 5294 | 82% | 0 | 653.9 / 1574.3 |"
-    assert lines[-1] == "| 512 | 512/256 | - | 5294 | - | 3 | 653.9 / 1574.3 |"
+    # the short table comes last: level, shape, engine (one batch, closed loop) and server tok/s, the ratios, the
+    # steady part of both closed loops and their drains, errors, TTFT p50 / p99
+    assert lines[-4].startswith("| level | shape | engine tok/s: one batch / closed loop | server tok/s |")
+    assert lines[-2] == "| 64 | 512/256 | 6451 / - | 5294 | 82%, - | - / - | - / - | 0 | 653.9 / 1574.3 |"
+    assert lines[-1] == "| 512 | 512/256 | - / - | 5294 | -, - | - / - | - / - | 3 | 653.9 / 1574.3 |"
+    result["levels"][0].update(engine_closed_loop_tok_s=5600.0, steady_tok_s=5500.4, drain_s=1.25,
+                               engine_closed_loop_steady_tok_s=5700.0, engine_closed_loop_drain_s=0.5)
+    assert sweep.render_levels(result).splitlines()[-2] == (
+        "| 64 | 512/256 | 6451 / 5600 | 5294 | 82%, 95% | 5500 / 5700 | 1.2 / 0.5 | 0 | 653.9 / 1574.3 |")
     assert sweep.shapes_list("128/128, 512/256") == [(128, 128), (512, 256)]
     assert sweep.pct([], 50) is None and sweep.pct([3.0, 1.0, 2.0], 50) == 2.0
+
+
+def test_serve_sweep_steady_window_is_where_every_stream_was_busy(scripts):
+    """From the last stream's first send to the first stream's last answer; tokens outside it (the ramp before,
+    the drain after) are left out, and the drain is the time after it."""
+    steady = scripts("serve_sweep").steady
+    found = steady([0.0, 1.0], [9.0, 5.0], [(0.5, 100), (1.0, 10), (3.0, 20), (5.0, 30), (7.0, 1000)])
+    assert found == {"steady_s": 4.0, "steady_tok_s": 15.0, "drain_s": 4.0}
+    assert steady([0.0, 6.0], [9.0, 5.0], [(5.5, 3)]) == {"steady_s": 0.0, "steady_tok_s": None, "drain_s": 4.0}
+
+
+def test_serve_sweep_client_steady_counts_the_chunks_of_each_stream(scripts):
+    sweep = scripts("serve_sweep")
+    records = [{"stream": 0, "start": 0.0, "end": 2.0, "tokens": 4, "times": [1.0, 2.0]},  # 2 tokens a chunk
+               {"stream": 0, "start": 2.0, "end": 6.0, "tokens": 2, "times": [3.0, 6.0]},
+               {"stream": 1, "start": 0.5, "end": 4.0, "tokens": 3, "times": [1.5, 2.5, 4.0]},
+               {"stream": 1, "start": 4.0, "end": 4.1, "error": "ReadError", "tokens": 0}]  # no chunks: no tokens
+    # window 0.5 .. 4.1 (stream 1's last answer, failed): 2 + 2 + 1 + 1 + 1 + 1 tokens in 3.6 s
+    assert sweep.client_steady(records) == {"steady_s": pytest.approx(3.6), "steady_tok_s": pytest.approx(8 / 3.6),
+                                            "drain_s": pytest.approx(1.9)}
+
+
+def test_serve_sweep_engine_closed_loop_runs_each_streams_requests_in_turn(scripts, tiny_checkpoint):
+    """The server's workload on the bare engine: every request decoded to its length, each stream's next one only
+    after its last one ended."""
+    from llm_anatomy import Engine
+
+    sweep = scripts("serve_sweep")
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256,
+                                    max_num_seqs=4)
+    added = []
+    add = engine.add_request
+    in_flight = lambda: len(engine.scheduler.running) + len(engine.scheduler.waiting)  # noqa: E731
+    engine.add_request = lambda ids, params: added.append((ids[0], in_flight())) or add(ids, params)
+    streams = sweep.closed_loop_streams([[i, 5, 6] for i in range(5)], 2)  # 0, 2, 4 and 1, 3
+    found = sweep.engine_closed_loop(engine, streams, 3)
+    assert [i for i, _ in added] == [0, 1, 2, 3, 4] and streams == [[[0, 5, 6], [2, 5, 6], [4, 5, 6]],
+                                                                     [[1, 5, 6], [3, 5, 6]]]
+    assert all(before <= 1 for _, before in added)  # the other stream's request at most: never 3 in flight
+    assert found["output_tok_s"] == pytest.approx(5 * 3 / found["wall_s"])
+    assert found["steady_s"] > 0 and found["steady_tok_s"] > 0 and found["drain_s"] >= 0
