@@ -49,6 +49,23 @@ def test_min_p_drops_tokens_below_fraction_of_best():
     assert freq[2:].sum() == 0 and freq[1] > 0.3
 
 
+def test_bf16_logits_as_the_model_gives_them():
+    """The model hands the sampler its logits in bf16: greedy takes their argmax as they are; penalties, bans and
+    temperatures work in float32, so a penalty smaller than a bf16 step still counts."""
+    sampler = Sampler(CPU, seed=0)
+    logits = torch.tensor([[1.0, 1.0078125, 0.0], [2.0, 0.0, 1.0]], dtype=torch.bfloat16)  # 1.0078125: 1 + a step
+    greedy = SamplingParams(temperature=0)
+    assert sampler(logits, [greedy] * 2, [None] * 2, [None] * 2).tolist() == [1, 0]
+    assert sampler(logits, [greedy] * 2, [None] * 2, [None] * 2, banned=[(1,), (0,)]).tolist() == [0, 2]
+    counts = torch.tensor([0, 1, 0], dtype=torch.int32)
+    small = SamplingParams(temperature=0, frequency_penalty=0.005)  # 1.0078 - 0.005 > 1.0 in float32, not in bf16
+    assert sampler(logits[:1], [small], [None], [counts]).item() == 1
+    penalised = SamplingParams(temperature=0, frequency_penalty=0.01)
+    assert sampler(logits[:1], [penalised], [None], [counts]).item() == 0
+    hot = SamplingParams(temperature=0.5, top_k=2, seed=1)
+    assert sampler(logits, [hot] * 2, [None] * 2, [None] * 2).tolist()[1] in (0, 2)
+
+
 def test_greedy_and_penalties():
     sampler = Sampler(CPU, seed=0)
     logits = torch.tensor([[1.0, 0.9, 0.0]])

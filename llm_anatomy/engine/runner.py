@@ -131,7 +131,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, ahead: AheadInputs | None = None) -> torch.Tensor:
-        """Forward the batch, write its K/V, and return float32 logits [len(batch.sampled), vocab]. With `ahead`
+        """Forward the batch, write its K/V, and return the logits [len(batch.sampled), vocab] in the model's dtype. With `ahead`
         (ahead_inputs) this decode step takes its input ids from the device."""
         graphs = None if self._eager else self.graphs
         if graphs is not None:

@@ -201,12 +201,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], output_counts: list[torch.Tensor | None],
                  banned: list[tuple[int, ...]] | None = None) -> torch.Tensor:
-        """logits: [rows, vocab] float32 -> next token ids [rows] (int64, on the device). `banned`: per row, token
-        ids that cannot be drawn this step (a row short of its min_tokens: its EOS and stop ids)."""
+        """logits: [rows, vocab] (the model's dtype) -> next token ids [rows] (int64, on the device). `banned`: per
+        row, token ids that cannot be drawn this step (a row short of its min_tokens: its EOS and stop ids)."""
         if banned is not None and any(banned):
             logits = self._ban(logits, banned)
         if all(p.plain_greedy for p in params):
             return logits.argmax(dim=-1)
+        logits = logits.float()  # penalties, temperature and the truncations in float32
         r = self._rows(params)
         if r.bias is not None:
             logits = logits.index_put(r.bias[:2], r.bias[2], accumulate=True)
@@ -240,7 +241,8 @@ class Sampler:
         if self.device.type == "cuda":
             index = index.pin_memory()  # the host allocator keeps the block until the copy has run
         index = index.to(self.device, non_blocking=True)
-        return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+        return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                                   device=logits.device))
 
     @staticmethod
     def _filter(probs: torch.Tensor, r: _RowParams, is_sorted: bool) -> torch.Tensor:
