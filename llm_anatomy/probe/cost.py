@@ -13,7 +13,8 @@ device memory; an intermediate tensor written by one kernel and read by the next
 (its write-back falls outside both kernels there, and an unprofiled run pays one crossing or the other); writes
 that outlive the step are counted: the KV cache. The tiled GEMMs of a prefill read their operands once per
 wave of output tiles (`gemm_reads`): a wave is the tiles the multiprocessors work on at once, and nothing is
-assumed to stay in L2 from one wave to the next. Sampling is counted as one read of the float32 logits.
+assumed to stay in L2 from one wave to the next. Sampling is counted as one read of the logits, in the model dtype
+(a greedy argmax reads them as they are).
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ def _step(c: ModelConfig, dtype: torch.dtype, tokens: int, sampled: int, attenti
         "embedding": {"bytes": tokens * h * s},
         "lm_head": {"flops": 2 * sampled * h * c.vocab_size,
                     "bytes": weight_bytes_per_step(c, dtype)["lm_head"] + sampled * h * s},
-        "logits": {"bytes": sampled * c.vocab_size * 4},  # float32, written then read by sampling: once
+        "logits": {"bytes": sampled * c.vocab_size * s},  # written then read by sampling: once
     })
 
 

@@ -403,10 +403,10 @@ def roofline_ridge_batch(config: ModelConfig, dtype: torch.dtype, precision: Pre
 def activation_bytes(config: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
     """The largest layer's live activations in a prefill step of `tokens` tokens (an estimate of what the engine
     measures at start-up): the residual stream and the normed input, with the MLP's gate_up output and its
-    SiLU x up product, or attention's q, k, v and output, whichever is larger; plus float32 logits of one row."""
+    SiLU x up product, or attention's q, k, v and output, whichever is larger; plus logits of one row."""
     mlp = 2 * config.hidden_size + 3 * config.intermediate_size
     attention = 2 * config.hidden_size + 2 * config.q_size + 2 * config.kv_size
-    return tokens * max(mlp, attention) * dtype.itemsize + config.vocab_size * 4
+    return (tokens * max(mlp, attention) + config.vocab_size) * dtype.itemsize
 
 
 def capacity(config: ModelConfig, dtype: torch.dtype, precision: Precision, memory_bytes: int, context: int, *,
