@@ -259,8 +259,8 @@ class GraphRunner:
         dev = self.device
         self.batch_bounds = torch.zeros(most + 2, dtype=torch.int32, device=dev)
         self.batch_last = torch.zeros(most, dtype=torch.int64, device=dev)
-        self.batch_logits = torch.empty(most, self.model.config.vocab_size, dtype=self.model.model.embed_tokens.weight.dtype,
-                                        device=dev)
+        logits_dtype = self.model.model.embed_tokens.weight.dtype  # the model's, as compute_logits gives them
+        self.batch_logits = torch.empty(most, self.model.config.vocab_size, dtype=logits_dtype, device=dev)
         self._batch_stage = torch.zeros(2, 4, sizes[-1], dtype=torch.int64).pin_memory()
         self._batch_bounds_stage = torch.zeros(2, most + 2, dtype=torch.int32).pin_memory()
         for t in reversed(sizes):

@@ -131,8 +131,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, ahead: AheadInputs | None = None) -> torch.Tensor:
-        """Forward the batch, write its K/V, and return the logits [len(batch.sampled), vocab] in the model's dtype. With `ahead`
-        (ahead_inputs) this decode step takes its input ids from the device."""
+        """Forward the batch, write its K/V, and return the logits [len(batch.sampled), vocab] in the model's dtype.
+        With `ahead` (ahead_inputs) this decode step takes its input ids from the device."""
         graphs = None if self._eager else self.graphs
         if graphs is not None:
             if not batch.is_prefill and graphs.can_decode(len(batch.seqs)):
