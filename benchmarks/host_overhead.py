@@ -7,7 +7,8 @@ the pipe to the HTTP process: the core's process's time per step, and of it the 
 share of that message (its reading thread: receiving and unpickling it); the same calls served through HTTP (the
 app with its Guard middleware, the completion handler, the event stream and uvicorn's loop and protocol writing
 to connections that drop the bytes: the event loop's and the reading thread's time per step and per chunk
-written, fed by a core over a real pipe); and the anatomies of a step's worth of finished calls (B calls over
+written, fed by a core over a real pipe, and the event loop's per request taking in the batch's requests sent
+all at once); and the anatomies of a step's worth of finished calls (B calls over
 their output tokens' steps): the core's share (packing each call for the builder's process) and the builder
 process's own (building it), measured here one after the other. Runs on the CPU; no GPU.
 
@@ -232,7 +233,8 @@ def http_request(prompt_tokens: int, output_tokens: int) -> bytes:
 
 def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_dir: Path) -> dict:
     """The HTTP process's CPU per decode step and per SSE chunk written, serving `batch` streams through HTTP: its
-    event loop, and its reading thread. This thread stands in for the core's process (a real core over a real
+    event loop, and its reading thread; and its event loop's CPU per request while it takes the `batch` requests
+    in, arriving together, to each response's head (one interpreter takes them one after the other). This thread stands in for the core's process (a real core over a real
     pipe, stepped here one step at a time)."""
     import multiprocessing
 
@@ -261,6 +263,7 @@ def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     http = HttpStreams(ctx)
     client.attach(http.loop)
     reader_clock = time.pthread_getcpuclockid(client._reader.ident)
+    intake0 = http.cpu_s()
     http.open(http_request(prompt_tokens, output_tokens), batch)
     while len(core._calls) < batch:  # each handler parses and tokenizes in a worker thread, then submits
         if http.finished():
@@ -270,6 +273,7 @@ def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     while not http.started():  # each response's head written: what follows is the streams' chunks
         time.sleep(0.001)
     cpu0, reader0, writes0 = http.cpu_s(), time.clock_gettime(reader_clock), http.writes()
+    intake_ms = (cpu0 - intake0) * 1e3 / batch  # the burst taken in, each to its response's head
     with torch_inference():
         while engine.has_work():
             before = client.delivered
@@ -286,7 +290,8 @@ def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     client._stopping = True  # its pipes close with this function: no engine to mourn
     http.stop()
     drop_core(engine, core)
-    return {"http_loop_ms": cpu_ms / max(1, output_tokens), "http_us_per_chunk": cpu_ms * 1e3 / max(1, chunks),
+    return {"http_intake_ms": intake_ms, "http_loop_ms": cpu_ms / max(1, output_tokens),
+            "http_us_per_chunk": cpu_ms * 1e3 / max(1, chunks),
             "http_chunks_per_stream": chunks / batch, "http_reader_ms": reader_ms / max(1, output_tokens)}
 
 
@@ -410,13 +415,15 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"batch": b, "bare_engine_ms": bare, **served, **http})
             print(json.dumps(rows[-1]), flush=True)
     print("\nhost ms per decode step (median)\n| batch | bare engine | engine core (its CPU; mean) | of it, the step's "
-          "message pickled and written (KB) | HTTP process: reading a message | HTTP process through HTTP: event "
+          "message pickled and written (KB) | HTTP process: reading a message | HTTP process: its event loop "
+          "taking in the batch's requests at once, ms a request | HTTP process through HTTP: event "
           "loop (us a chunk); reading thread | anatomies: core per step (per call) | builder process per step "
           "(per call) |")
     for r in rows:
         print(f"| {r['batch']} | {r['bare_engine_ms']:.2f} | {r['core_ms']:.2f} "
               f"({r['core_cpu_ms']:.2f}; {r['core_cpu_mean_ms']:.2f}) | {r['ipc_send_ms']:.3f} ({r['ipc_kb']:.1f}) "
-              f"| {r['ipc_recv_ms']:.3f} | {r['http_loop_ms']:.2f} ({r['http_us_per_chunk']:.1f}); "
+              f"| {r['ipc_recv_ms']:.3f} | {r['http_intake_ms']:.3f} | {r['http_loop_ms']:.2f} "
+              f"({r['http_us_per_chunk']:.1f}); "
               f"{r['http_reader_ms']:.2f} | {r['anatomy_parent_ms_per_step']:.2f} ({r['anatomy_parent_ms_per_call']:.2f}) "
               f"| {r['anatomy_ms_per_step']:.2f} ({r['anatomy_ms_per_call']:.1f}) |")
     if args.json:

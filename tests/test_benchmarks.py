@@ -324,7 +324,8 @@ def test_host_overhead_measures_each_part_at_each_batch_size(scripts, tmp_path, 
     rows = json.loads(out.read_text())
     assert [r["batch"] for r in rows] == [1, 3]
     parts = ("bare_engine_ms", "core_ms", "core_cpu_ms", "core_cpu_mean_ms", "ipc_send_ms", "ipc_kb", "ipc_recv_ms",
-             "http_loop_ms", "http_us_per_chunk", "http_reader_ms", "anatomy_ms_per_call", "anatomy_ms_per_step")
+             "http_intake_ms", "http_loop_ms", "http_us_per_chunk", "http_reader_ms", "anatomy_ms_per_call",
+             "anatomy_ms_per_step")
     assert all(r[p] > 0 for r in rows for p in parts)
     # every stream written whole through HTTP: a chunk per token whose text is whole (4 at most), the finish
     # reason's, the usage, [DONE] and the body's end
