@@ -90,6 +90,21 @@ def test_every_hostile_value_gets_a_400_and_the_server_goes_on(server, body, par
     still_serves(server)
 
 
+@pytest.mark.parametrize("pad", [0, 9000], ids=["prepared on the event loop", "prepared in a worker thread"])
+def test_small_and_large_bodies_are_checked_alike(server, pad):
+    """A body up to INLINE_BODY_BYTES is prepared on the event loop, a larger one in a worker thread: the same
+    checks, the same answers."""
+    from llm_anatomy.server.completions import INLINE_BODY_BYTES
+
+    extra = {"user": "u" * pad} if pad else {}
+    bad = {**GOOD, **extra, "top_k": -2}
+    assert (len(json.dumps(bad)) > INLINE_BODY_BYTES) == bool(pad)
+    r = post(server, bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+    r = post(server, {**GOOD, **extra})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
 MALFORMED = [
     ("JSON nested 100k deep", b"[" * 100_000 + b"]" * 100_000),
     ("an object nested 100k deep", b'{"a":' * 100_000 + b"1" + b"}" * 100_000),
