@@ -7,8 +7,8 @@ the pipe to the HTTP process: the core's process's time per step, and of it the 
 share of that message (its reading thread: receiving and unpickling it); the same calls served through HTTP (the
 app with its Guard middleware, the completion handler, the event stream and uvicorn's loop and protocol writing
 to connections that drop the bytes: the event loop's and the reading thread's time per step and per chunk
-written, fed by a core over a real pipe, and the event loop's per request taking in the batch's requests sent
-all at once); and the anatomies of a step's worth of finished calls (B calls over
+written, fed by a core over a real pipe, and the process's CPU per request (every thread) taking in the batch's
+requests sent all at once); and the anatomies of a step's worth of finished calls (B calls over
 their output tokens' steps): the core's share (packing each call for the builder's process) and the builder
 process's own (building it), measured here one after the other. Runs on the CPU; no GPU.
 
@@ -263,9 +263,9 @@ def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     http = HttpStreams(ctx)
     client.attach(http.loop)
     reader_clock = time.pthread_getcpuclockid(client._reader.ident)
-    intake0 = http.cpu_s()
+    intake0 = time.process_time() - time.thread_time()  # every thread's CPU but this one's (the core's stand-in)
     http.open(http_request(prompt_tokens, output_tokens), batch)
-    while len(core._calls) < batch:  # each handler parses and tokenizes in a worker thread, then submits
+    while len(core._calls) < batch:  # each handler parses and tokenizes, then submits
         if http.finished():
             raise RuntimeError(f"the server answered without streaming: {http.protocols[0].transport.head!r}")
         core._take_inbox(their_inbox, block=False)
@@ -273,7 +273,7 @@ def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     while not http.started():  # each response's head written: what follows is the streams' chunks
         time.sleep(0.001)
     cpu0, reader0, writes0 = http.cpu_s(), time.clock_gettime(reader_clock), http.writes()
-    intake_ms = (cpu0 - intake0) * 1e3 / batch  # the burst taken in, each to its response's head
+    intake_ms = (time.process_time() - time.thread_time() - intake0) * 1e3 / batch  # each to its response's head
     with torch_inference():
         while engine.has_work():
             before = client.delivered
@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"batch": b, "bare_engine_ms": bare, **served, **http})
             print(json.dumps(rows[-1]), flush=True)
     print("\nhost ms per decode step (median)\n| batch | bare engine | engine core (its CPU; mean) | of it, the step's "
-          "message pickled and written (KB) | HTTP process: reading a message | HTTP process: its event loop "
-          "taking in the batch's requests at once, ms a request | HTTP process through HTTP: event "
+          "message pickled and written (KB) | HTTP process: reading a message | HTTP process taking in the "
+          "batch's requests at once (its threads' CPU ms a request) | HTTP process through HTTP: event "
           "loop (us a chunk); reading thread | anatomies: core per step (per call) | builder process per step "
           "(per call) |")
     for r in rows:
