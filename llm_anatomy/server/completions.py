@@ -27,18 +27,16 @@ INLINE_BODY_BYTES = 8 << 10
 
 
 def routes(ctx: ServerContext) -> APIRouter:
-    """Plain Starlette routes (add_route), not FastAPI's: the handlers read and check their bodies themselves, and
-    FastAPI's per-request dependency solving and response handling would be work for nothing on every request."""
     router = APIRouter()
 
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await completion(ctx, request, chat=True)
 
+    @router.post("/v1/completions")
     async def completions(request: Request):
         return await completion(ctx, request, chat=False)
 
-    router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    router.add_route("/v1/completions", completions, methods=["POST"])
     return router
 
 
