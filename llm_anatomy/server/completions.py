@@ -19,10 +19,10 @@ from .protocol import ChatCompletionRequest, CompletionRequest, chat_request, co
 from .responses import (TextChunks, before_tool_call, chunk, completion_body, logprobs_body, now_s, split_tool_calls,
                         sse, usage)
 
-# Bodies up to this size are parsed, templated and tokenized on the event loop (about 0.1 ms of tokenizing at this
-# size), larger ones in a worker thread. Handing a request to a thread and back costs the process more CPU than
-# preparing a small one (a burst of 512 requests of 128 token ids took a third less CPU taken in inline), and the
-# one interpreter takes a burst's requests in one after the other; a large prompt must not hold up the streams.
+# Bodies up to this size are parsed, templated and tokenized on the event loop (a fraction of a millisecond at this
+# size), larger ones in a worker thread so that a long prompt does not hold up the streams. One interpreter takes a
+# burst's requests in one after the other, and handing a small request to a thread and back costs it more than
+# preparing the request (benchmarks/README.md has the A/B).
 INLINE_BODY_BYTES = 8 << 10
 
 
