@@ -91,18 +91,27 @@ def test_every_hostile_value_gets_a_400_and_the_server_goes_on(server, body, par
 
 
 @pytest.mark.parametrize("pad", [0, 9000], ids=["prepared on the event loop", "prepared in a worker thread"])
-def test_small_and_large_bodies_are_checked_alike(server, pad):
+def test_small_and_large_bodies_are_checked_alike(server, pad, monkeypatch):
     """A body up to INLINE_BODY_BYTES is prepared on the event loop, a larger one in a worker thread: the same
     checks, the same answers."""
-    from llm_anatomy.server.completions import INLINE_BODY_BYTES
+    from llm_anatomy.server import completions
 
+    where = []
+
+    def prepare(*args):
+        where.append(threading.current_thread() is server.thread)  # uvicorn's event loop runs on that thread
+        return real_prepare(*args)
+
+    real_prepare = completions.prepare
+    monkeypatch.setattr(completions, "prepare", prepare)
     extra = {"user": "u" * pad} if pad else {}
     bad = {**GOOD, **extra, "top_k": -2}
-    assert (len(json.dumps(bad)) > INLINE_BODY_BYTES) == bool(pad)
+    assert (len(json.dumps(bad)) > completions.INLINE_BODY_BYTES) == bool(pad)
     r = post(server, bad)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
     r = post(server, {**GOOD, **extra})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    assert where == [not pad] * 2
 
 
 MALFORMED = [
