@@ -45,8 +45,9 @@ def render_prompt(tokenizer: Tokenizer, *, messages=None, prompt: str | None = N
             raise RequestError("the prompt is empty", param="prompt")
         ids = tokenizer.encode(prompt)
     else:
-        if not isinstance(prompt_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+        if not isinstance(prompt_token_ids, (list, tuple)) or not (
+                set(map(type, prompt_token_ids)) == {int}  # what JSON gives, checked in C; else each one
+                or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids)):
             raise RequestError("prompt_token_ids must be a list of integers", param="prompt")
         ids = list(prompt_token_ids)
     return RenderedPrompt(ids, prompt, t_template, t_tokenize, time.perf_counter_ns())

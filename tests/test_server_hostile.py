@@ -114,6 +114,27 @@ def test_small_and_large_bodies_are_checked_alike(server, pad, monkeypatch):
     assert where == [not pad] * 2
 
 
+TOKEN_ID_PROMPTS = [  # (name, prompt); every one a 400 naming `prompt`, among many good ids
+    ("a boolean", [1, 2, True]),
+    ("a float", [1, 2.0]),
+    ("a negative id", [5] * 300 + [-1]),
+    ("an id past the vocabulary", [5] * 300 + [10 ** 9]),
+    ("an id of 70 bits", [2 ** 70, 5]),
+    ("a string among ids", [5, "6"]),
+    ("ids nested in a list", [5, [6]]),
+]
+
+
+@pytest.mark.parametrize("prompt", [p[1] for p in TOKEN_ID_PROMPTS], ids=[p[0] for p in TOKEN_ID_PROMPTS])
+def test_bad_token_ids_get_a_400_and_the_server_goes_on(server, prompt):
+    r = post(server, {**COMPLETION, "prompt": prompt}, path="/v1/completions")
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "prompt", error
+    r = post(server, {**COMPLETION, "prompt": [5] * 300}, path="/v1/completions")
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 300, r.text
+
+
 MALFORMED = [
     ("JSON nested 100k deep", b"[" * 100_000 + b"]" * 100_000),
     ("an object nested 100k deep", b'{"a":' * 100_000 + b"1" + b"}" * 100_000),

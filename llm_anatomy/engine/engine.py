@@ -121,7 +121,8 @@ class Admission:
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         vocab = self.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        plain = set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab  # the usual case, in C
+        bad = [] if plain else [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token {bad[0]!r} is outside the model's vocabulary (0..{vocab - 1})",
                                param="prompt")

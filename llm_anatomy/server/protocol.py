@@ -126,15 +126,19 @@ def _refuse(param: str, why: str) -> None:
 
 
 def _too_deep(value: Any, limit: int) -> bool:
+    """Whether lists and objects (as json.loads makes them) nest more than `limit` deep. Only containers go on the
+    stack: a prompt of token ids is thousands of numbers."""
+    if not isinstance(value, (dict, list)):
+        return False
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
         if depth > limit:
             return True
-        stack.extend((child, depth + 1) for child in children)
+        children = item.values() if isinstance(item, dict) else item
+        kinds = set(map(type, children))  # in C: most lists hold numbers or strings alone
+        if dict in kinds or list in kinds:
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return False
 
 
