@@ -69,6 +69,10 @@ class ExecutionPlan:
     # (beta = 1), so that the norm after them reads one tensor and writes one instead of two of each.
     residual_in_gemm: bool = False
     lookahead: bool = False  # launch step n+1 (a prefill or decode) before reading step n's tokens back
+    # W8A8's per-token quantization of SiLU(gate) * up for the down projection (more than a batch-1 step's rows) by
+    # the CUDA kernel whose row a thread-block cluster shares (kernels/fp8_quant_cuda.py) instead of Triton's one
+    # program a row: the same bits.
+    cuda_gated_quant: bool = False
     gemv_tiles: Mapping = field(default_factory=lambda: MappingProxyType({}))  # tile_key -> Tile (tuning.py)
     decode_attention: DecodeAttentionPlan = DecodeAttentionPlan()
     weight_dtype: str = "bfloat16"  # the linear layers' weights: the model dtype, or "float8_e4m3fn"
@@ -101,6 +105,7 @@ class ExecutionPlan:
         return {"kernels": self.kernels, "cuda_graphs": self.cuda_graphs, "pdl": self.pdl,
                 "stream_gemv": self.stream_gemv, "norm_in_gemv": self.norm_in_gemv,
                 "residual_in_gemm": self.residual_in_gemm, "lookahead": self.lookahead,
+                "cuda_gated_quant": self.cuda_gated_quant,
                 "weight_dtype": self.weight_dtype, "kv_cache_dtype": self.kv_cache_dtype,
                 "gemv_tiles": {"x".join(map(str, k)): str(t) for k, t in self.gemv_tiles.items()},
                 "decode_attention": vars(self.decode_attention).copy()}
@@ -129,8 +134,14 @@ def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, k
         from ..kernels.fp8_decode_attention import available as fp8_attention_available
 
         fp8_cuda = fp8_attention_available(device)
+    cuda_gated_quant = False
+    if kernels and cuda and weight_dtype == "float8_e4m3fn":
+        from ..kernels.fp8_quant_cuda import available as cuda_gated_quant_available
+
+        cuda_gated_quant = cuda_gated_quant_available(device)
     return ExecutionPlan(kernels=kernels, cuda_graphs=graphs, pdl=pdl, stream_gemv=stream, norm_in_gemv=stream,
                          residual_in_gemm=kernels, lookahead=cuda if config.lookahead is None else config.lookahead,
+                         cuda_gated_quant=cuda_gated_quant,
                          decode_attention=DecodeAttentionPlan(fp8_cuda=fp8_cuda),
                          weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)
 

@@ -91,9 +91,17 @@ def launch_shape(rows: int, k: int) -> dict:
     return dict(ROWS=per_program, BLOCK=padded, ONE_PASS=True, num_warps=warps)
 
 
-def quantize_rows(x: torch.Tensor, gated: bool = False, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, gated: bool = False, pdl: bool = False, cuda: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (fp8 e4m3 [M, K], float32 scales [M, 1]): one scale per row, from that row.
-    With gated, x is [M, 2 I] = [gate, up] and the result quantizes SiLU(gate) * up, [M, I]."""
+    With gated, x is [M, 2 I] = [gate, up] and the result quantizes SiLU(gate) * up, [M, I]. With `cuda` (an
+    engine's plan, where the device has it), gated rows that the CUDA cluster kernel takes go there: the same bits
+    (for plain rows of a hidden state's length it is the slower, benchmarks/README.md)."""
+    if cuda and gated:
+        from . import fp8_quant_cuda
+
+        if fp8_quant_cuda.supports(x, gated):
+            return fp8_quant_cuda.quantize_rows(x, gated, pdl)
     rows, k = x.shape
     if gated:
         k //= 2

@@ -162,15 +162,15 @@ class Fp8Linear(nn.Module):
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def fast_product(self, x: torch.Tensor | Fp8Rows, gated: bool = False, pdl: bool = False,
-                     quantized_output: bool = False) -> torch.Tensor | Fp8Rows:
+                     quantized_output: bool = False, cuda_gated_quant: bool = False) -> torch.Tensor | Fp8Rows:
         """The fast path's product (see the module's docstring) of x [rows, K] (or of rows already quantized,
         Fp8Rows); with gated (gate_up_proj = [gate; up]) SiLU(x gate^T) * (x up^T), rounded as HF rounds it, and
         with quantized_output as well, that quantized per token (Fp8Rows) where the product is W8A8. The batch-1
         streaming GEMV is the model's to choose (qwen3.skinny_product), with the plan. `pdl`: the Triton kernels'
-        launches (kernels/pdl.py)."""
+        launches (kernels/pdl.py); `cuda_gated_quant`: SiLU(gate) * up quantized by the CUDA kernel (the plan's)."""
         if isinstance(x, Fp8Rows) and not (self._w8a8(x.values, x.dtype) and (self.bias is None or not gated)):
             x = x.dequantized()
-        y = self._fast(x, gated, pdl, quantized_output) if self.bias is None or not gated else None
+        y = self._fast(x, gated, pdl, quantized_output, cuda_gated_quant) if self.bias is None or not gated else None
         if y is None:
             y = self.forward(x)
             if gated:
@@ -190,8 +190,8 @@ class Fp8Linear(nn.Module):
         return (self.block is None and dtype == torch.bfloat16 and _rowwise_scaled_mm(x.device)
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
-    def _fast(self, x: torch.Tensor | Fp8Rows, gated: bool, pdl: bool, quantized_output: bool
-              ) -> torch.Tensor | Fp8Rows | None:
+    def _fast(self, x: torch.Tensor | Fp8Rows, gated: bool, pdl: bool, quantized_output: bool,
+              cuda_gated_quant: bool) -> torch.Tensor | Fp8Rows | None:
         from ..kernels import fp8_gemv, fp8_quant, use_kernels
         from ..kernels.activation import silu_mul
 
@@ -215,7 +215,7 @@ class Fp8Linear(nn.Module):
         if not gated:
             return y
         if quantized_output:
-            return Fp8Rows(*fp8_quant.quantize_rows(y, gated=True, pdl=pdl), dtype)
+            return Fp8Rows(*fp8_quant.quantize_rows(y, gated=True, pdl=pdl, cuda=cuda_gated_quant), dtype)
         return silu_mul(y, pdl=pdl)
 
     def weight_bytes(self) -> int:

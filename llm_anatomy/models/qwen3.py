@@ -288,12 +288,14 @@ class MLP(nn.Module):
                 return act
             x = x.normed(plan)
         if not isinstance(x, torch.Tensor):  # quantized by the norm for this W8A8 product (takes_fp8_rows)
-            return layer.fast_product(x, gated=True, pdl=plan.pdl, quantized_output=is_fp8(self.down_proj))
+            return layer.fast_product(x, gated=True, pdl=plan.pdl, quantized_output=is_fp8(self.down_proj),
+                                     cuda_gated_quant=plan.cuda_gated_quant)
         act = skinny_product(x, layer, plan, gated=True)  # decode: SiLU*up fused into the gate_up GEMV
         if act is not None:
             return act
         if is_fp8(layer):
-            return layer.fast_product(x, gated=True, pdl=plan.pdl, quantized_output=is_fp8(self.down_proj))
+            return layer.fast_product(x, gated=True, pdl=plan.pdl, quantized_output=is_fp8(self.down_proj),
+                                     cuda_gated_quant=plan.cuda_gated_quant)
         if matmul.supports_gated(x, w):  # a long prefill: SiLU*up in the GEMM's epilogue
             return matmul.matmul(x, w, matmul.GATED_TILE, gated=True, pdl=plan.pdl)
         return silu_mul(self.gate_up_proj(x), pdl=plan.pdl)
