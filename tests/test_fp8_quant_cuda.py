@@ -72,6 +72,16 @@ def test_bit_for_bit_the_triton_kernel(gated, rows, k):
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("min_blocks", [1, 4, 12])
+def test_its_variants_give_the_same_bits(min_blocks):
+    x = torch.cat([hostile_rows(2 * 12288, torch.bfloat16), torch.randn(600, 2 * 12288, device="cuda").bfloat16()])
+    q, scale = fp8_quant_cuda.quantize_rows(x, True, min_blocks=min_blocks)
+    want_q, want_scale = triton_quantized(x, True)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True])
 def test_many_rows_a_wider_buffer_and_a_graph_with_early_launch(gated):
     """8192 rows read from a buffer wider than the row (row stride past K), launched with PDL inside a CUDA graph

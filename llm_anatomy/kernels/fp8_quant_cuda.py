@@ -5,8 +5,9 @@ The Triton kernel gives a row to one program, which loads it, reduces it to its 
 writes it: a decode step's 512 rows of SiLU(gate) * up (2 x 12288 values) are four waves of one 48 KB row a
 multiprocessor, each wave waiting for its loads before its reduction and stores. Here a row is cut into CLUSTER
 contiguous pieces, one block of 128 threads each, and the blocks of a cluster (Hopper) exchange their pieces'
-largest magnitudes through distributed shared memory: every block loads its piece at once, so a step's rows are
-in flight together, and a prefill's many rows keep several blocks' loads in flight on each multiprocessor.
+largest magnitudes through distributed shared memory. Each thread issues all its loads before it computes and keeps
+its values as packed bf16 (SiLU(gate) * up is rounded to bf16 anyway), so that a multiprocessor holds MIN_BLOCKS
+blocks and many rows' pieces are in flight at once.
 
 The arithmetic is the Triton kernel's, bit for bit (its PTX as Triton 3 lowers it): SiLU(gate) * up as
 activation.silu_mul_rounded (exp(-g) as ex2.approx of g * -log2(e), 1 / (1 + e) as div.full, SiLU rounded to
@@ -30,6 +31,7 @@ THREADS = 128  # a block's threads; each loads 8 values (16 bytes) of its row at
 MAX_ITEMS = 3  # 8-value pieces a thread holds at most while CLUSTER may still grow: 3072 columns a block
 MAX_CLUSTER = 8  # the portable cluster size
 MAX_K = MAX_CLUSTER * 8 * THREADS * 8  # rows up to 65536 values: at most 8 pieces a thread
+MIN_BLOCKS = 8  # blocks a multiprocessor must fit (__launch_bounds__): the registers a thread may take
 
 SOURCE = r"""
 __device__ __forceinline__ float ex2_approx(float x) { float r; asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
@@ -46,25 +48,30 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
     const float sig = div_full(1.0f, __fadd_rn(ex2_approx(__fmul_rn(g, -1.4426950408889634f)), 1.0f));
     return round_bf16(__fmul_rn(round_bf16(__fmul_rn(g, sig)), u));
 }
-__device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {  // a in the lowest byte
-    unsigned short lo, hi;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));  // the first operand goes high
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
-    return (unsigned)lo | ((unsigned)hi << 16);
+__device__ __forceinline__ unsigned silu_mul2(unsigned g, unsigned u) {  // two bf16 lanes; the results are bf16
+    return (__float_as_uint(silu_mul(bf16_lo(g), bf16_lo(u))) >> 16)
+         | (__float_as_uint(silu_mul(bf16_hi(g), bf16_hi(u))) & 0xffff0000u);
 }
+__device__ __forceinline__ float abs_max2(unsigned w) { return fmaxf(fabsf(bf16_lo(w)), fabsf(bf16_hi(w))); }
 __device__ __forceinline__ float to_fp8_range(float v, float scale) {  // fp8_quant.to_fp8 before its rounding
     return fminf(fmaxf(__fdiv_rn(v, scale), -448.0f), 448.0f);
 }
-__device__ __forceinline__ void unpack8(uint4 w, float* v) {
-    v[0] = bf16_lo(w.x); v[1] = bf16_hi(w.x); v[2] = bf16_lo(w.y); v[3] = bf16_hi(w.y);
-    v[4] = bf16_lo(w.z); v[5] = bf16_hi(w.z); v[6] = bf16_lo(w.w); v[7] = bf16_hi(w.w);
+// Four bf16 values (two words, the lowest first) over the scale -> four e4m3 bytes, the first in the lowest byte
+__device__ __forceinline__ unsigned e4m3x4(unsigned w0, unsigned w1, float scale) {
+    unsigned short lo, hi;  // cvt puts its first operand in the upper byte
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo)
+        : "f"(to_fp8_range(bf16_hi(w0), scale)), "f"(to_fp8_range(bf16_lo(w0), scale)));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi)
+        : "f"(to_fp8_range(bf16_hi(w1), scale)), "f"(to_fp8_range(bf16_lo(w1), scale)));
+    return (unsigned)lo | ((unsigned)hi << 16);
 }
 
 // x [rows, K] bf16 (gated: [rows, 2K] = [gate, up]) -> q [rows, K] e4m3, scales [rows] float32. Block `rank` of
 // the row's cluster takes columns [rank * CHUNK, (rank + 1) * CHUNK), its thread i the 8 columns at
 // rank * CHUNK + 8 * (item * THREADS + i) for each item. The grid is whole clusters; a block past the last row
-// still joins its cluster's barriers.
-extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS)
+// still joins its cluster's barriers. A thread's values stay packed bf16 (SiLU(gate) * up is rounded to bf16, the
+// plain rows are bf16): the fewer registers, the more blocks a multiprocessor holds, the more rows in flight.
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_BLOCKS)
 quantize_rows(const unsigned short* x, unsigned char* q, float* scales, int rows, int stride_x, int stride_q) {
     __shared__ float warp_max[THREADS / 32];
     __shared__ float block_max;
@@ -74,32 +81,28 @@ quantize_rows(const unsigned short* x, unsigned char* q, float* scales, int rows
     const int row = blockIdx.x / CLUSTER, rank = blockIdx.x % CLUSTER;  // 1-D clusters: consecutive blocks
     const bool live = row < rows;
     const unsigned short* xr = x + (long long)row * stride_x;
-    uint4 raw[ITEMS];
+    uint4 val[ITEMS];
 #if GATED
-    uint4 raw_up[ITEMS];
+    uint4 up[ITEMS];
 #endif
     #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {  // every load first: the block's whole piece in flight at once
         const int col = rank * CHUNK + 8 * (i * THREADS + threadIdx.x);
         const bool ok = live && col < K;
-        raw[i] = ok ? *(const uint4*)(xr + col) : make_uint4(0, 0, 0, 0);
+        val[i] = ok ? *(const uint4*)(xr + col) : make_uint4(0, 0, 0, 0);
 #if GATED
-        raw_up[i] = ok ? *(const uint4*)(xr + K + col) : make_uint4(0, 0, 0, 0);
+        up[i] = ok ? *(const uint4*)(xr + K + col) : make_uint4(0, 0, 0, 0);
 #endif
     }
-    float v[ITEMS][8];
     float amax = 0.0f;
     #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
-        unpack8(raw[i], v[i]);
 #if GATED
-        float up[8];
-        unpack8(raw_up[i], up);
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) v[i][j] = silu_mul(v[i][j], up[j]);
+        val[i] = make_uint4(silu_mul2(val[i].x, up[i].x), silu_mul2(val[i].y, up[i].y),
+                            silu_mul2(val[i].z, up[i].z), silu_mul2(val[i].w, up[i].w));
 #endif
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[i][j]));  // padding is 0
+        amax = fmaxf(amax, fmaxf(abs_max2(val[i].x), abs_max2(val[i].y)));  // padding is 0
+        amax = fmaxf(amax, fmaxf(abs_max2(val[i].z), abs_max2(val[i].w)));
     }
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -136,12 +139,8 @@ quantize_rows(const unsigned short* x, unsigned char* q, float* scales, int rows
     #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
         const int col = rank * CHUNK + 8 * (i * THREADS + threadIdx.x);
-        if (live && col < K) {
-            float* w = v[i];
-            *(uint2*)(qr + col) = make_uint2(
-                e4m3x4(to_fp8_range(w[0], scale), to_fp8_range(w[1], scale), to_fp8_range(w[2], scale), to_fp8_range(w[3], scale)),
-                e4m3x4(to_fp8_range(w[4], scale), to_fp8_range(w[5], scale), to_fp8_range(w[6], scale), to_fp8_range(w[7], scale)));
-        }
+        if (live && col < K)
+            *(uint2*)(qr + col) = make_uint2(e4m3x4(val[i].x, val[i].y, scale), e4m3x4(val[i].z, val[i].w, scale));
     }
     if (live && rank == 0 && threadIdx.x == 0) scales[row] = scale;
 #if CLUSTER > 1
@@ -162,10 +161,11 @@ def launch_shape(k: int) -> tuple[int, int]:
     return cluster, -(-k // (cluster * per_item))
 
 
-def source(k: int, gated: bool) -> str:
+def source(k: int, gated: bool, min_blocks: int = MIN_BLOCKS) -> str:
     cluster, items = launch_shape(k)
+    min_blocks = max(1, min_blocks * MAX_ITEMS // max(MAX_ITEMS, items))  # longer rows' threads hold more
     return (f"#define K {k}\n#define GATED {int(gated)}\n#define CLUSTER {cluster}\n#define ITEMS {items}\n"
-            f"#define THREADS {THREADS}\n#define CHUNK {items * 8 * THREADS}\n") + SOURCE
+            f"#define THREADS {THREADS}\n#define CHUNK {items * 8 * THREADS}\n#define MIN_BLOCKS {min_blocks}\n") + SOURCE
 
 
 @cache
@@ -196,8 +196,10 @@ def supports(x: torch.Tensor, gated: bool) -> bool:
             and x.data_ptr() % 16 == 0 and k <= MAX_K)
 
 
-def quantize_rows(x: torch.Tensor, gated: bool = False, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8_quant.quantize_rows (the same values and scales) for rows `supports` accepts, else ValueError."""
+def quantize_rows(x: torch.Tensor, gated: bool = False, pdl: bool = False, min_blocks: int = MIN_BLOCKS
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_quant.quantize_rows (the same values and scales) for rows `supports` accepts, else ValueError.
+    min_blocks: the kernel's variant (MIN_BLOCKS says what it is)."""
     if not supports(x, gated):
         raise ValueError(f"fp8_quant_cuda.quantize_rows: rows {tuple(x.shape)} {x.dtype} (stride {x.stride()}) are "
                          "not contiguous 16-byte aligned bf16 rows of a multiple of 8 values")
@@ -207,6 +209,6 @@ def quantize_rows(x: torch.Tensor, gated: bool = False, pdl: bool = False) -> tu
     if rows:
         cluster, _ = launch_shape(k)
         with torch.cuda.device(x.device):
-            kernel = compile_kernel(source(k, gated), "quantize_rows", x.device.index, 0)
+            kernel = compile_kernel(source(k, gated, min_blocks), "quantize_rows", x.device.index, 0)
             launch(kernel, rows * cluster, THREADS, [x, q, scale, rows, x.stride(0), q.stride(0)], pdl=pdl)
     return q, scale

@@ -241,10 +241,17 @@ def _causal(q, k, v) -> torch.Tensor:
 def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, pad: bool) -> torch.Tensor:
     """pad: run each fresh prompt's attention at its bucket's length (see prefill_bucket), short ones of equal
     buckets together."""
-    out = torch.empty_like(q) if len(batch.query_lens) > 1 else None
-    grouped: frozenset[int] = frozenset()
-    if pad and out is not None:
+    groups, grouped = [], frozenset()
+    if pad and len(batch.query_lens) > 1:
         groups, grouped = batch.fresh_groups(q.device)
+        if len(groups) == 1 and isinstance(groups[0][1], int) and groups[0][0] * groups[0][2] == len(q):
+            # the whole step is one group of equal prompts one after the other (an offline batch): the group's
+            # output, laid out like q, is the step's, not copied into another buffer
+            rows, _, g = groups[0]
+            return _causal(*(x.view(g, rows, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+                           ).transpose(1, 2).reshape(q.shape)
+    out = torch.empty_like(q) if len(batch.query_lens) > 1 else None
+    if groups:
         _grouped_attention(q, k, v, out, groups)
     start = 0
     for i, (n, prefix) in enumerate(zip(batch.query_lens, batch.prefix_lens)):
