@@ -215,14 +215,20 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def _dense_group(q, k, v, rows: int, first: int, g: int) -> torch.Tensor:
+    """The attention of g prompts of exactly `rows` tokens one after the other from row `first`: [g x rows, heads,
+    head_dim], laid out like q (views in, no gathers)."""
+    span = slice(first, first + g * rows)
+    qi, ki, vi = (x[span].view(g, rows, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+    return _causal(qi, ki, vi).transpose(1, 2).reshape(g * rows, *q.shape[1:])
+
+
 def _grouped_attention(q, k, v, out, groups) -> None:
     """Each group of fresh prompts (AttentionBatch.fresh_groups) in one causal call over [G, heads, R, head_dim]."""
     for rows, *where in groups:
         if isinstance(where[0], int):  # prompts of R tokens one after the other: views of the step's rows
             first, g = where
-            span = slice(first, first + g * rows)
-            qi, ki, vi = (x[span].view(g, rows, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-            out[span] = _causal(qi, ki, vi).transpose(1, 2).reshape(g * rows, *q.shape[1:])
+            out[first:first + g * rows] = _dense_group(q, k, v, rows, first, g)
             continue
         gather, real, dest = where
         g = len(gather) // rows
@@ -248,8 +254,7 @@ def _prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch, pad: bo
             # the whole step is one group of equal prompts one after the other (an offline batch): the group's
             # output, laid out like q, is the step's, not copied into another buffer
             rows, _, g = groups[0]
-            return _causal(*(x.view(g, rows, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-                           ).transpose(1, 2).reshape(q.shape)
+            return _dense_group(q, k, v, rows, 0, g)
     out = torch.empty_like(q) if len(batch.query_lens) > 1 else None
     if groups:
         _grouped_attention(q, k, v, out, groups)
