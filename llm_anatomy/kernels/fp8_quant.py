@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_quant_cuda
 from .activation import silu_mul_rounded
 from .pdl import gdc_enter
 
@@ -97,11 +98,8 @@ def quantize_rows(x: torch.Tensor, gated: bool = False, pdl: bool = False, cuda:
     With gated, x is [M, 2 I] = [gate, up] and the result quantizes SiLU(gate) * up, [M, I]. With `cuda` (an
     engine's plan, where the device has it), gated rows that the CUDA cluster kernel takes go there: the same bits
     (for plain rows of a hidden state's length it is the slower, benchmarks/README.md)."""
-    if cuda and gated:
-        from . import fp8_quant_cuda
-
-        if fp8_quant_cuda.supports(x, gated):
-            return fp8_quant_cuda.quantize_rows(x, gated, pdl)
+    if cuda and gated and fp8_quant_cuda.supports(x, gated):
+        return fp8_quant_cuda.quantize_rows(x, gated, pdl)
     rows, k = x.shape
     if gated:
         k //= 2
