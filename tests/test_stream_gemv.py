@@ -37,6 +37,19 @@ def test_plan_fits_a_hopper_block_and_stages_are_whole():
     assert sg.rows_per_stage(2560, 2560, False) == 5  # 6 fit, 5 divide
 
 
+def test_a_stage_is_read_in_whole_16_byte_copies():
+    """A stage's half goes in COPIES bulk copies where each is a whole number of 16-byte pieces (Qwen3's shapes),
+    else in one (a bulk copy takes nothing else): 5 rows of 2056 bf16 columns are 20,560 bytes, not 4 x 16 x n."""
+    for n, k, gated in ((6144, 4096, False), (12288, 4096, True), (4096, 12288, False), (151936, 4096, False),
+                        (2560, 2560, False), (9728, 2560, True), (2055, 2056, False)):
+        for weight_bytes in (2, 1) if sg.mma_layout(n, k, gated) else (2,):
+            copies = sg.copies(n, k, gated, weight_bytes)
+            half = sg.rows_per_stage(n, k, gated, weight_bytes) * k * weight_bytes
+            assert half % (16 * copies) == 0
+            assert copies == (1 if (n, k) == (2055, 2056) else sg.COPIES), (n, k, weight_bytes)
+            assert f"#define COPIES {copies}" in sg.source(n, k, gated, weight_bytes=weight_bytes)
+
+
 @pytest.fixture
 def streaming():
     assert sg.available(torch.device("cuda"))
@@ -64,6 +77,20 @@ def test_matches_float32_and_triton(n, k, gated, streaming):
     assert (y.float() - triton_y.float()).abs().max().item() <= 0.02 * ref.abs().max().item()
     assert torch.equal(sg.stream_gemv(x, w, gated), y)  # partial sums added in a fixed order
 
+
+
+@cuda
+@pytest.mark.gpu
+def test_a_stage_in_one_copy_matches_float32(streaming):
+    """5 rows of 2056 columns a stage: read by one bulk copy (copies), not COPIES (the Triton GEMV takes no such K)."""
+    n, k = 2055, 2056
+    assert sg.copies(n, k, False) == 1
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    assert sg.supports(x, w, False)
+    ref = reference(x, w, False)
+    assert ((sg.stream_gemv(x, w).float() - ref).norm() / ref.norm()).item() < 4e-3
 
 @cuda
 @pytest.mark.gpu
