@@ -78,7 +78,6 @@ def test_matches_float32_and_triton(n, k, gated, streaming):
     assert torch.equal(sg.stream_gemv(x, w, gated), y)  # partial sums added in a fixed order
 
 
-
 @cuda
 @pytest.mark.gpu
 def test_a_stage_in_one_copy_matches_float32(streaming):
@@ -91,6 +90,7 @@ def test_a_stage_in_one_copy_matches_float32(streaming):
     assert sg.supports(x, w, False)
     ref = reference(x, w, False)
     assert ((sg.stream_gemv(x, w).float() - ref).norm() / ref.norm()).item() < 4e-3
+
 
 @cuda
 @pytest.mark.gpu

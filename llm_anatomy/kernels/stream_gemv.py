@@ -362,9 +362,8 @@ def copies(n: int, k: int, gated: bool, weight_bytes: int = 2) -> int:
 def source(n: int, k: int, gated: bool, normed: bool = False, weight_bytes: int = 2) -> str:
     _, segs, wpw = mma_layout(n, k, gated) if weight_bytes == 1 else (0, 1, 1)
     return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated, weight_bytes), "HALVES": 2 if gated else 1,
-                     "CONSUMERS": CONSUMERS,
-                     "COPIES": copies(n, k, gated, weight_bytes), "NORMED": int(normed), "FP8": int(weight_bytes == 1), "SEGS": segs,
-                     "WPW": wpw}
+                     "CONSUMERS": CONSUMERS, "COPIES": copies(n, k, gated, weight_bytes), "NORMED": int(normed),
+                     "FP8": int(weight_bytes == 1), "SEGS": segs, "WPW": wpw}
 
 
 def plan(n: int, k: int, gated: bool, blocks: int, weight_bytes: int = 2) -> tuple[int, int]:
