@@ -352,17 +352,17 @@ def mma_layout(n: int, k: int, gated: bool) -> tuple[int, int, int] | None:
     return (rows, segs, windows_per_warp) if windows_per_warp <= 8 else None
 
 
-def copies(n: int, k: int, gated: bool, weight_bytes: int = 2) -> int:
-    """Bulk copies a stage's half is read by: COPIES where each is a whole number of 16-byte pieces (what a bulk
-    copy takes), else one."""
-    half = rows_per_stage(n, k, gated, weight_bytes) * k * weight_bytes
-    return COPIES if half % (16 * COPIES) == 0 else 1
+def copies(half_bytes: int) -> int:
+    """Bulk copies a stage's half of `half_bytes` is read by: COPIES where each is a whole number of 16-byte pieces
+    (what a bulk copy takes), else one."""
+    return COPIES if half_bytes % (16 * COPIES) == 0 else 1
 
 
 def source(n: int, k: int, gated: bool, normed: bool = False, weight_bytes: int = 2) -> str:
     _, segs, wpw = mma_layout(n, k, gated) if weight_bytes == 1 else (0, 1, 1)
-    return SOURCE % {"K": k, "ROWS": rows_per_stage(n, k, gated, weight_bytes), "HALVES": 2 if gated else 1,
-                     "CONSUMERS": CONSUMERS, "COPIES": copies(n, k, gated, weight_bytes), "NORMED": int(normed),
+    rows = rows_per_stage(n, k, gated, weight_bytes)
+    return SOURCE % {"K": k, "ROWS": rows, "HALVES": 2 if gated else 1, "CONSUMERS": CONSUMERS,
+                     "COPIES": copies(rows * k * weight_bytes), "NORMED": int(normed),
                      "FP8": int(weight_bytes == 1), "SEGS": segs, "WPW": wpw}
 
 
