@@ -121,3 +121,55 @@ def test_the_plan_leaves_it_off_without_a_gpu():
 
     plan = choose_plan(EngineConfig(device="cpu"), torch.device("cpu"), "float8_e4m3fn", "bfloat16")
     assert plan.cuda_gated_quant is False and plan.describe()["cuda_gated_quant"] is False
+
+
+# The fast SiLU (fp8_quant_cuda.HELPERS) against the plain one for every input, run on the device: a block per
+# gate, its threads over every up value
+EXHAUSTIVE = r"""
+// blockIdx.x: a gate's bits; each thread takes up values u and u ^ 0x8000 (its negation) in the two lanes
+extern "C" __global__ void silu_mul_fast_vs_plain(unsigned* mismatches) {
+    const unsigned g = blockIdx.x, gg = g | g << 16;
+    const float gate = __uint_as_float(g << 16);
+    if (!(gate >= FAST_GATE_MIN) && gate == gate) return;  // the kernel takes the plain form for these (NaN: fast)
+    unsigned bad = 0;
+    for (unsigned u = threadIdx.x; u < 65536; u += blockDim.x) {
+        const unsigned uu = u | (u ^ 0x8000u) << 16;
+        bad += silu_mul2_fast(gg, uu) != silu_mul2(gg, uu);
+    }
+    if (bad) atomicAdd(mismatches, bad);
+}
+"""
+
+
+@hopper
+@pytest.mark.gpu
+def test_the_fast_silu_is_the_plain_one_for_every_gate_and_up_value():
+    from llm_anatomy.kernels.cuda import BF16X2, ROW_DIVISION, compile_kernel, launch
+
+    dev = torch.cuda.current_device()
+    kernel = compile_kernel(ROW_DIVISION + BF16X2 + fp8_quant_cuda.HELPERS + EXHAUSTIVE, "silu_mul_fast_vs_plain",
+                            dev, 0)
+    mismatches = torch.zeros(1, dtype=torch.int32, device="cuda")
+    launch(kernel, 65536, 256, [mismatches], pdl=False)
+    assert mismatches.item() == 0
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True])
+def test_rows_holding_infinities_nans_and_gates_below_the_fast_range(gated):
+    """A row with an infinity (its scale infinite), one with NaNs, one whose gates run down to -1e4 (the plain SiLU
+    for the threads that hold them) and one with -inf among its gates: the Triton kernel's bits."""
+    k = 12288
+    width = 2 * k if gated else k
+    x = torch.randn(6, width, device="cuda") * 3
+    x[0, 5] = float("inf")
+    x[1, 100:110] = float("nan")
+    x[2, : k // 2] = -torch.logspace(0, 4, k // 2, device="cuda")
+    x[3, 7] = float("-inf")
+    x[4, 8000] = -90.0  # one gate below the fast range: its thread alone takes the plain form
+    x = x.bfloat16()
+    q, scale = fp8_quant_cuda.quantize_rows(x, gated)
+    want_q, want_scale = triton_quantized(x, gated)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)

@@ -56,6 +56,43 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 """
+# x / scale for the per-token fp8 quantization (fp8_quant.to_fp8: IEEE division), the reciprocal taken once a row.
+# __fdiv_rn is CUDA's fast path (a refined approximate reciprocal, then one correction of the quotient) behind a
+# guard (FCHK) that sends operands it cannot vouch for to a slow path, all of it for each value. Here the guard is
+# left out: a zero keeps its sign as the correction is taken negated (-(-r * rem - q)), and an infinite scale (a
+# row holding an infinity) gives r = b = 0, which makes a finite value's quotient a zero of its sign and an
+# infinity's NaN, as IEEE division. The GPU test (tests/test_cuda_helpers.py) divides every bf16 value by every
+# scale a bf16 row can have: the same e4m3 byte as __fdiv_rn always, the same float wherever the quotient is at
+# least 2^-11; below that a quotient may differ in its last bits, and rounds to an e4m3 zero either way. No '%':
+# the text goes into %-templates as it is.
+ROW_DIVISION = r"""
+struct RowDivisor { float b, r; };  // b and CUDA's refined reciprocal of it
+__device__ __forceinline__ RowDivisor row_divisor(float b) {
+    if (b == __int_as_float(0x7f800000)) return {0.0f, 0.0f};
+    const float r0 = __fdividef(1.0f, b);  // rcp.approx (MUFU.RCP) for b in [2^-126, 2^126]
+    return {b, __fmaf_rn(__fmaf_rn(r0, -b, 1.0f), r0, r0)};
+}
+__device__ __forceinline__ float divide(float a, RowDivisor d) {  // __fdiv_rn(a, d.b) as e4m3 sees it
+    const float q = __fmul_rn(a, d.r);
+    return -__fmaf_rn(-d.r, __fmaf_rn(q, -d.b, a), -q);
+}
+"""
+# Two bf16 lanes at once, each result rounded to bf16 once. The sum or product of two bf16 values rounded to bf16
+# is their float32 sum or product rounded to bf16: the product is exact in float32, and a sum that float32 rounds
+# has operands 17 or more binades apart, which leaves it far from any bf16 rounding boundary (the GPU test,
+# tests/test_cuda_helpers.py, checks every pair). (Its '%' are single: a %-template doubles them.)
+BF16X2 = r"""
+__device__ __forceinline__ unsigned add_bf16x2(unsigned a, unsigned b) {
+    unsigned r; asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
+}
+__device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
+    unsigned r; asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
+}
+// both rounded to nearest even; cvt puts its first operand in the upper half
+__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
+    unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+"""
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 

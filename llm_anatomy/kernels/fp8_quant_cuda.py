@@ -12,7 +12,11 @@ blocks and many rows' pieces are in flight at once.
 The arithmetic is the Triton kernel's, bit for bit (its PTX as Triton 3 lowers it): SiLU(gate) * up as
 activation.silu_mul_rounded (exp(-g) as ex2.approx of g * -log2(e), 1 / (1 + e) as div.full, SiLU rounded to
 bf16, then the product rounded to bf16), the scale max(amax, 1e-12) / 448 and each value over it with IEEE
-division, clamped to +-448 and rounded to nearest even e4m3. bf16 rows only (the W8A8 path's dtype).
+division, clamped to +-448 and rounded to nearest even e4m3. bf16 rows only (the W8A8 path's dtype). Written
+plainly, the kernel's time goes to issuing its instructions more than to memory, so it reaches the same results in
+fewer: the SiLU without div.full's and ex2's range handling for gates where that changes nothing, two lanes rounded
+and multiplied by one instruction (cuda.BF16X2), the division by the row's scale with its reciprocal taken once a
+row (cuda.ROW_DIVISION). The GPU tests check each against the plain form for every bf16 input.
 
 An engine's plan (engine/plan.py, cuda_gated_quant) sends it the gated rows, the down projection's input; the
 plain rows of a hidden state's length stay with the Triton kernel, which is the faster there (benchmarks/README.md).
@@ -25,7 +29,7 @@ from functools import cache
 
 import torch
 
-from .cuda import compile_kernel, launch
+from .cuda import BF16X2, ROW_DIVISION, compile_kernel, launch
 
 THREADS = 128  # a block's threads; each loads 8 values (16 bytes) of its row at a time
 MAX_ITEMS = 3  # 8-value pieces a thread holds at most while CLUSTER may still grow: 3072 columns a block
@@ -33,7 +37,7 @@ MAX_CLUSTER = 8  # the portable cluster size
 MAX_K = MAX_CLUSTER * 8 * THREADS * 8  # rows up to 65536 values: at most 8 pieces a thread
 MIN_BLOCKS = 8  # blocks a multiprocessor must fit (__launch_bounds__): the registers a thread may take
 
-SOURCE = r"""
+HELPERS = r"""
 __device__ __forceinline__ float ex2_approx(float x) { float r; asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
 __device__ __forceinline__ float div_full(float a, float b) {
     float r; asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
@@ -52,12 +56,35 @@ __device__ __forceinline__ unsigned silu_mul2(unsigned g, unsigned u) {  // two 
     return (__float_as_uint(silu_mul(bf16_lo(g), bf16_lo(u))) >> 16)
          | (__float_as_uint(silu_mul(bf16_hi(g), bf16_hi(u))) & 0xffff0000u);
 }
-__device__ __forceinline__ float abs_max2(unsigned w) { return fmaxf(fabsf(bf16_lo(w)), fabsf(bf16_hi(w))); }
-__device__ __forceinline__ float to_fp8_range(float v, float scale) {  // fp8_quant.to_fp8 before its rounding
-    return fminf(fmaxf(__fdiv_rn(v, scale), -448.0f), 448.0f);
+// The same for gates >= FAST_GATE_MIN, in fewer instructions:
+// there d = 1 + exp(-g) <= 2^126, where div.full(1, d) is rcp.approx(d) itself, and .ftz changes no result (where
+// ex2's result is subnormal, 1 + it is 1 either way); two lanes at once where rounding to bf16 (cuda.BF16X2).
+// The GPU test checks it against silu_mul2 for every bf16 gate.
+#define FAST_GATE_MIN -87.0f
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;
 }
+__device__ __forceinline__ float rcp_ftz(float x) {
+    float r; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;
+}
+__device__ __forceinline__ float silu_fast(float g) {
+    return __fmul_rn(g, rcp_ftz(__fadd_rn(ex2_ftz(__fmul_rn(g, -1.4426950408889634f)), 1.0f)));
+}
+__device__ __forceinline__ unsigned silu_mul2_fast(unsigned g, unsigned u) {
+    return mul_bf16x2(bf16x2(silu_fast(bf16_lo(g)), silu_fast(bf16_hi(g))), u);
+}
+// Lane-wise on two bf16 values (exact: a bf16 max is one of its operands; a NaN operand is passed over, as fmaxf)
+__device__ __forceinline__ unsigned max_abs2(unsigned m, unsigned w) {
+    unsigned r; asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(w & 0x7fff7fffu)); return r;
+}
+__device__ __forceinline__ unsigned min2(unsigned m, unsigned w) {
+    unsigned r; asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(w)); return r;
+}
+// fp8_quant.to_fp8 before its rounding: v / scale clamped to +-448, the upper clamp left to cvt's satfinite (the
+// lower one turns a NaN into -448, as there)
+__device__ __forceinline__ float to_fp8_range(float v, RowDivisor scale) { return fmaxf(divide(v, scale), -448.0f); }
 // Four bf16 values (two words, the lowest first) over the scale -> four e4m3 bytes, the first in the lowest byte
-__device__ __forceinline__ unsigned e4m3x4(unsigned w0, unsigned w1, float scale) {
+__device__ __forceinline__ unsigned e4m3x4(unsigned w0, unsigned w1, RowDivisor scale) {
     unsigned short lo, hi;  // cvt puts its first operand in the upper byte
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo)
         : "f"(to_fp8_range(bf16_hi(w0), scale)), "f"(to_fp8_range(bf16_lo(w0), scale)));
@@ -65,7 +92,9 @@ __device__ __forceinline__ unsigned e4m3x4(unsigned w0, unsigned w1, float scale
         : "f"(to_fp8_range(bf16_hi(w1), scale)), "f"(to_fp8_range(bf16_lo(w1), scale)));
     return (unsigned)lo | ((unsigned)hi << 16);
 }
+"""
 
+KERNEL = r"""
 // x [rows, K] bf16 (gated: [rows, 2K] = [gate, up]) -> q [rows, K] e4m3, scales [rows] float32. Block `rank` of
 // the row's cluster takes columns [rank * CHUNK, (rank + 1) * CHUNK), its thread i the 8 columns at
 // rank * CHUNK + 8 * (item * THREADS + i) for each item. The grid is whole clusters; a block past the last row
@@ -94,16 +123,28 @@ quantize_rows(const unsigned short* x, unsigned char* q, float* scales, int rows
         up[i] = ok ? *(const uint4*)(xr + K + col) : make_uint4(0, 0, 0, 0);
 #endif
     }
-    float amax = 0.0f;
+#if GATED  // the fast SiLU unless one of this thread's gates is below its range (the branch is the warp's, but for
+          // rows that hold such gates)
+    unsigned low = 0x7f807f80u;  // +inf, +inf
     #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-#if GATED
-        val[i] = make_uint4(silu_mul2(val[i].x, up[i].x), silu_mul2(val[i].y, up[i].y),
-                            silu_mul2(val[i].z, up[i].z), silu_mul2(val[i].w, up[i].w));
-#endif
-        amax = fmaxf(amax, fmaxf(abs_max2(val[i].x), abs_max2(val[i].y)));  // padding is 0
-        amax = fmaxf(amax, fmaxf(abs_max2(val[i].z), abs_max2(val[i].w)));
+    for (int i = 0; i < ITEMS; ++i) low = min2(min2(low, min2(val[i].x, val[i].y)), min2(val[i].z, val[i].w));
+    if (fminf(bf16_lo(low), bf16_hi(low)) >= FAST_GATE_MIN) {
+        #pragma unroll
+        for (int i = 0; i < ITEMS; ++i)
+            val[i] = make_uint4(silu_mul2_fast(val[i].x, up[i].x), silu_mul2_fast(val[i].y, up[i].y),
+                                silu_mul2_fast(val[i].z, up[i].z), silu_mul2_fast(val[i].w, up[i].w));
+    } else {
+        #pragma unroll
+        for (int i = 0; i < ITEMS; ++i)
+            val[i] = make_uint4(silu_mul2(val[i].x, up[i].x), silu_mul2(val[i].y, up[i].y),
+                                silu_mul2(val[i].z, up[i].z), silu_mul2(val[i].w, up[i].w));
     }
+#endif
+    unsigned amax2 = 0;  // padding is 0
+    #pragma unroll
+    for (int i = 0; i < ITEMS; ++i)
+        amax2 = max_abs2(max_abs2(max_abs2(max_abs2(amax2, val[i].x), val[i].y), val[i].z), val[i].w);
+    float amax = fmaxf(bf16_lo(amax2), bf16_hi(amax2));
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
@@ -135,12 +176,13 @@ quantize_rows(const unsigned short* x, unsigned char* q, float* scales, int rows
     amax = block_max;
 #endif
     const float scale = __fdiv_rn(fmaxf(amax, 1e-12f), 448.0f);
+    const RowDivisor divisor = row_divisor(scale);
     unsigned char* qr = q + (long long)row * stride_q;
     #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
         const int col = rank * CHUNK + 8 * (i * THREADS + threadIdx.x);
         if (live && col < K)
-            *(uint2*)(qr + col) = make_uint2(e4m3x4(val[i].x, val[i].y, scale), e4m3x4(val[i].z, val[i].w, scale));
+            *(uint2*)(qr + col) = make_uint2(e4m3x4(val[i].x, val[i].y, divisor), e4m3x4(val[i].z, val[i].w, divisor));
     }
     if (live && rank == 0 && threadIdx.x == 0) scales[row] = scale;
 #if CLUSTER > 1
@@ -165,7 +207,8 @@ def source(k: int, gated: bool, min_blocks: int = MIN_BLOCKS) -> str:
     cluster, items = launch_shape(k)
     min_blocks = max(1, min_blocks * MAX_ITEMS // max(MAX_ITEMS, items))  # longer rows' threads hold more
     return (f"#define K {k}\n#define GATED {int(gated)}\n#define CLUSTER {cluster}\n#define ITEMS {items}\n"
-            f"#define THREADS {THREADS}\n#define CHUNK {items * 8 * THREADS}\n#define MIN_BLOCKS {min_blocks}\n") + SOURCE
+            f"#define THREADS {THREADS}\n#define CHUNK {items * 8 * THREADS}\n#define MIN_BLOCKS {min_blocks}\n"
+            + ROW_DIVISION + BF16X2 + HELPERS + KERNEL)
 
 
 @cache
