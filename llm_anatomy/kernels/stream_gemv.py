@@ -35,7 +35,7 @@ from functools import cache
 import torch
 
 from . import sm_count
-from .cuda import STREAM_HELPERS, compile_kernel, launch
+from .cuda import BF16X2, ROW_DIVISION, STREAM_HELPERS, compile_kernel, launch
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +72,18 @@ SOURCE = r"""
 #define KP (K / 8)                               // 16-byte pieces of a row
 #define PIECES ((KP + CONSUMERS - 1) / CONSUMERS)  // of them, each consumer thread's (the last may be short)
 #define HAS_PIECE(p) ((p) < PIECES - 1 || KP %% CONSUMERS == 0 || tid < KP %% CONSUMERS)
-""" + STREAM_HELPERS + r"""
+""" + STREAM_HELPERS + ROW_DIVISION + BF16X2.replace("%", "%%") + r"""
 __device__ __forceinline__ void unpack8(uint4 v, float* f) {
     f[0] = lo(v.x); f[1] = hi(v.x); f[2] = lo(v.y); f[3] = hi(v.y); f[4] = lo(v.z); f[5] = hi(v.z); f[6] = lo(v.w); f[7] = hi(v.w);
 }
+__device__ __forceinline__ uint4 add8(uint4 a, uint4 b) {
+    return make_uint4(add_bf16x2(a.x, b.x), add_bf16x2(a.y, b.y), add_bf16x2(a.z, b.z), add_bf16x2(a.w, b.w));
+}
+__device__ __forceinline__ uint4 mul8(uint4 a, uint4 b) {
+    return make_uint4(mul_bf16x2(a.x, b.x), mul_bf16x2(a.y, b.y), mul_bf16x2(a.z, b.z), mul_bf16x2(a.w, b.w));
+}
 __device__ __forceinline__ uint4 pack8(const float* f) {
-    return make_uint4(rne(f[0]) | rne(f[1]) << 16, rne(f[2]) | rne(f[3]) << 16, rne(f[4]) | rne(f[5]) << 16,
-                      rne(f[6]) | rne(f[7]) << 16);
+    return make_uint4(bf16x2(f[0], f[1]), bf16x2(f[2], f[3]), bf16x2(f[4], f[5]), bf16x2(f[6], f[7]));
 }
 __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
     return lo(w.x) * x[0] + hi(w.x) * x[1] + lo(w.y) * x[2] + hi(w.y) * x[3]
@@ -86,10 +91,10 @@ __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
 }
 // x / scale, clamped to +-448, to e4m3 with rounding to nearest even (fp8_quant.quantize_rows' arithmetic), four
 // values to four bytes, the first in the lowest; cvt puts its first operand in the upper byte
-__device__ __forceinline__ float to_e4m3_range(float v, float scale) {
-    return fminf(fmaxf(__fdiv_rn(v, scale), -448.f), 448.f);
+__device__ __forceinline__ float to_e4m3_range(float v, RowDivisor scale) {  // the upper clamp is cvt's satfinite
+    return fmaxf(divide(v, scale), -448.f);
 }
-__device__ __forceinline__ unsigned e4m3x4(const float* v, float scale) {
+__device__ __forceinline__ unsigned e4m3x4(const float* v, RowDivisor scale) {
     unsigned short lo, hi;
     asm("cvt.rn.satfinite.e4m3x2.f32 %%0, %%1, %%2;" : "=h"(lo) : "f"(to_e4m3_range(v[1], scale)), "f"(to_e4m3_range(v[0], scale)));
     asm("cvt.rn.satfinite.e4m3x2.f32 %%0, %%1, %%2;" : "=h"(hi) : "f"(to_e4m3_range(v[3], scale)), "f"(to_e4m3_range(v[2], scale)));
@@ -170,15 +175,12 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
     float xf[PIECES * 8];
     #pragma unroll
     for (int p = 0; p < PIECES; ++p) {
-        const uint4 v = HAS_PIECE(p) ? __ldcg((const uint4*)(x + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0);
-        unpack8(v, &xf[p * 8]);
+        uint4 v = HAS_PIECE(p) ? __ldcg((const uint4*)(x + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0);
 #if NORMED  // the residual add, rounded to bf16 as HF's; block 0 writes the new residual stream
-        float r[8];
-        unpack8(HAS_PIECE(p) ? __ldcg((const uint4*)(res_in + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0), r);
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) xf[p * 8 + j] = round_bf16(xf[p * 8 + j] + r[j]);
-        if (blockIdx.x == 0 && HAS_PIECE(p)) *(uint4*)(res_out + (p * CONSUMERS + tid) * 8) = pack8(&xf[p * 8]);
+        v = add8(v, HAS_PIECE(p) ? __ldcg((const uint4*)(res_in + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0));
+        if (blockIdx.x == 0 && HAS_PIECE(p)) *(uint4*)(res_out + (p * CONSUMERS + tid) * 8) = v;
 #endif
+        unpack8(v, &xf[p * 8]);
     }
 #if NORMED  // RMSNorm in float32 over the whole row: each block computes it for itself (16 KB read from L2)
     float ss = 0.f;
@@ -192,11 +194,10 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
     for (int k = 0; k < CONSUMERS / 32; ++k) total += warp_sums[k];
     const float inv = rsqrtf(total / K + eps);
     #pragma unroll
-    for (int p = 0; p < PIECES; ++p) {
-        float wf[8];
-        unpack8(nw[p], wf);
+    for (int p = 0; p < PIECES; ++p) {  // x * inv rounded to bf16, times the weight rounded to bf16, as HF's
         #pragma unroll
-        for (int j = 0; j < 8; ++j) xf[p * 8 + j] = round_bf16(round_bf16(xf[p * 8 + j] * inv) * wf[j]);
+        for (int j = 0; j < 8; ++j) xf[p * 8 + j] *= inv;
+        unpack8(mul8(pack8(&xf[p * 8]), nw[p]), &xf[p * 8]);
     }
 #endif
 #if FP8
@@ -212,10 +213,12 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
     #pragma unroll
     for (int k = 0; k < CONSUMERS / 32; ++k) amax = fmaxf(amax, warp_maxes[k]);
     const float x_scale = __fdiv_rn(fmaxf(amax, 1e-12f), 448.f);
+    const RowDivisor x_div = row_divisor(x_scale);
     #pragma unroll
     for (int p = 0; p < PIECES; ++p)
         if (HAS_PIECE(p))
-            *(uint2*)(xq + (p * CONSUMERS + tid) * 8) = make_uint2(e4m3x4(&xf[p * 8], x_scale), e4m3x4(&xf[p * 8 + 4], x_scale));
+            *(uint2*)(xq + (p * CONSUMERS + tid) * 8) = make_uint2(e4m3x4(&xf[p * 8], x_div),
+                                                                   e4m3x4(&xf[p * 8 + 4], x_div));
     asm volatile("bar.sync 1, %%0;" :: "n"(CONSUMERS) : "memory");
     // Lane grp * 4 + t feeds the MMA's rows grp and grp + 8 (two row slots: weight rows, or pieces of K of fewer
     // rows) and its column grp. The sum runs over K in any order as long as a lane's A and B bytes are the same
