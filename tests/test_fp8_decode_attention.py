@@ -317,6 +317,16 @@ def test_every_variant_matches(tiles, prefetch, min_blocks):
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [0, 3, 4])
+def test_iterations_longer_than_a_warp_are_refused(tiles):
+    """A lane holds one token's slot: an iteration of 64 tokens (tiles 4) would read other tokens' slots."""
+    q, k, v, tables, lens = make_case(4, 16, [5, 100], seed=7)
+    with pytest.raises(ValueError, match="tiles must be 1 or 2"):
+        fa.fp8_decode_attention(q, k, v, tables, lens, 128 ** -0.5, tiles=tiles)
+
+
+@hopper
+@pytest.mark.gpu
 def test_head_major_cache_and_nan_in_unused_slots():
     """Slots past every context hold 0x7f (NaN in e4m3): nothing of them reaches the output. A cache stored
     [kv_heads, pages, page, d] is read through its strides."""

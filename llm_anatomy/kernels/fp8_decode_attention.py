@@ -416,6 +416,8 @@ def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     reason = unsupported(q, k_cache, v_cache, block_tables, context_lens)
     if reason:
         raise ValueError(f"fp8_decode_attention: {reason}")
+    if tiles not in (1, 2):  # each lane holds one token's slot (slot_of): an iteration's tokens fit a warp's 32 lanes
+        raise ValueError(f"fp8_decode_attention: tiles must be 1 or 2 (an iteration of at most 32 tokens), not {tiles}")
     batch, n_heads, head_dim = q.shape
     n_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = n_heads // n_kv_heads
