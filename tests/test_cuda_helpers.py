@@ -21,7 +21,7 @@ __device__ __forceinline__ unsigned bf16_bits(float f) {
 }
 // blockIdx.x: a row's largest magnitude (bf16 bits 0 .. 0x7f80, +inf last); every value of at most that magnitude
 // (every value, NaN included, for +inf) divided by the row's scale: the same e4m3 byte as __fdiv_rn's quotient
-// (clamped to +-448 as fp8_quant.to_fp8 clamps it; the fast one only from below, as the kernels do, cvt's
+// (clamped to +-448 as fp8_quant.to_fp8 clamps it; the fast one by e4m3_range, as the kernels clamp it, cvt's
 // satfinite clamping above), always; and the same float wherever the quotient is at least 2^-11 in magnitude (a
 // smaller one is an e4m3 zero whatever its last bits, and there __fdiv_rn's slow path may differ from the fast
 // one's: counted apart, not asserted)
@@ -37,7 +37,7 @@ extern "C" __global__ void division_vs_ieee(unsigned* float_mismatches, unsigned
         const float fast = divide(x, d), ieee = __fdiv_rn(x, scale);
         if (__float_as_uint(fast) != __float_as_uint(ieee) && !(x != x))
             ++(fabsf(ieee) >= 0.00048828125f ? bad_float : tiny_float);
-        bad_byte += e4m3_pair(fmaxf(fast, -448.0f), 0.0f) != e4m3_pair(fminf(fmaxf(ieee, -448.0f), 448.0f), 0.0f);
+        bad_byte += e4m3_pair(e4m3_range(x, d), 0.0f) != e4m3_pair(fminf(fmaxf(ieee, -448.0f), 448.0f), 0.0f);
     }
     if (bad_float) atomicAdd(float_mismatches, bad_float);
     if (bad_byte) atomicAdd(byte_mismatches, bad_byte);

@@ -76,6 +76,9 @@ __device__ __forceinline__ float divide(float a, RowDivisor d) {  // __fdiv_rn(a
     const float q = __fmul_rn(a, d.r);
     return -__fmaf_rn(-d.r, __fmaf_rn(q, -d.b, a), -q);
 }
+// fp8_quant.to_fp8 before its rounding: a / scale clamped to +-448 for cvt.rn.satfinite.e4m3x2, which clamps above
+// itself (the lower clamp stays: it turns a NaN into -448, as there)
+__device__ __forceinline__ float e4m3_range(float a, RowDivisor d) { return fmaxf(divide(a, d), -448.0f); }
 """
 # Two bf16 lanes at once, each result rounded to bf16 once. The sum or product of two bf16 values rounded to bf16
 # is their float32 sum or product rounded to bf16: the product is exact in float32, and a sum that float32 rounds

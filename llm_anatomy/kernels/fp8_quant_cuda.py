@@ -80,16 +80,13 @@ __device__ __forceinline__ unsigned max_abs2(unsigned m, unsigned w) {
 __device__ __forceinline__ unsigned min2(unsigned m, unsigned w) {
     unsigned r; asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(w)); return r;
 }
-// fp8_quant.to_fp8 before its rounding: v / scale clamped to +-448, the upper clamp left to cvt's satfinite (the
-// lower one turns a NaN into -448, as there)
-__device__ __forceinline__ float to_fp8_range(float v, RowDivisor scale) { return fmaxf(divide(v, scale), -448.0f); }
 // Four bf16 values (two words, the lowest first) over the scale -> four e4m3 bytes, the first in the lowest byte
 __device__ __forceinline__ unsigned e4m3x4(unsigned w0, unsigned w1, RowDivisor scale) {
     unsigned short lo, hi;  // cvt puts its first operand in the upper byte
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo)
-        : "f"(to_fp8_range(bf16_hi(w0), scale)), "f"(to_fp8_range(bf16_lo(w0), scale)));
+        : "f"(e4m3_range(bf16_hi(w0), scale)), "f"(e4m3_range(bf16_lo(w0), scale)));
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi)
-        : "f"(to_fp8_range(bf16_hi(w1), scale)), "f"(to_fp8_range(bf16_lo(w1), scale)));
+        : "f"(e4m3_range(bf16_hi(w1), scale)), "f"(e4m3_range(bf16_lo(w1), scale)));
     return (unsigned)lo | ((unsigned)hi << 16);
 }
 """

@@ -91,13 +91,10 @@ __device__ __forceinline__ float dot8f(uint4 w, const float* x) {
 }
 // x / scale, clamped to +-448, to e4m3 with rounding to nearest even (fp8_quant.quantize_rows' arithmetic), four
 // values to four bytes, the first in the lowest; cvt puts its first operand in the upper byte
-__device__ __forceinline__ float to_e4m3_range(float v, RowDivisor scale) {  // the upper clamp is cvt's satfinite
-    return fmaxf(divide(v, scale), -448.f);
-}
 __device__ __forceinline__ unsigned e4m3x4(const float* v, RowDivisor scale) {
     unsigned short lo, hi;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %%0, %%1, %%2;" : "=h"(lo) : "f"(to_e4m3_range(v[1], scale)), "f"(to_e4m3_range(v[0], scale)));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %%0, %%1, %%2;" : "=h"(hi) : "f"(to_e4m3_range(v[3], scale)), "f"(to_e4m3_range(v[2], scale)));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %%0, %%1, %%2;" : "=h"(lo) : "f"(e4m3_range(v[1], scale)), "f"(e4m3_range(v[0], scale)));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %%0, %%1, %%2;" : "=h"(hi) : "f"(e4m3_range(v[3], scale)), "f"(e4m3_range(v[2], scale)));
     return (unsigned)lo | (unsigned)hi << 16;
 }
 // d += A (16 x 32 e4m3, rows g and g + 8 of lane g * 4 + t) . B (32 x 8 e4m3, column g), float32 (sm_89 and later)
