@@ -15,7 +15,7 @@ from llm_anatomy.probe.call import Marks, build_anatomy
 from llm_anatomy.probe.clock import Clock
 from llm_anatomy.engine.sampling import SamplingParams
 from llm_anatomy.probe.recorder import Recorder
-from llm_anatomy.server.anatomies import AnatomyBuilder
+from llm_anatomy.server.anatomies import AnatomyBuilder, Child
 from llm_anatomy.server.anatomy_process import SERVED_NOTES, Builder
 from llm_anatomy.server.core import CoreCall
 from llm_anatomy.server.loop import Call, EngineClient
@@ -154,6 +154,39 @@ def test_backlog_drops_the_oldest_wanted_goes_first_stop_builds_the_rest(engine,
     assert http.metrics.generation_tokens.labels("m")._value.get() == sum(3 + 2 * i for i in range(5))
     assert builder._child is None and builder._sender.is_alive() is False and builder._receiver.is_alive() is False
     store.close()
+
+
+def test_the_oldest_step_a_waiting_call_reads_is_kept_without_scanning_them(engine, tmp_path):
+    """The steps the child must keep: from the lowest first step among the calls still waiting, found through a
+    heap whose entries of calls no longer waiting are skipped (and dropped wholesale when they pile up)."""
+    calls = finished_calls(engine, 5)
+    builder, _ = builder_for(engine, AnatomyStore(tmp_path, keep=10), calls, backlog=3)
+    for item in calls:
+        builder.add(*item)  # the two oldest are pushed out
+    firsts = {c.id: t.first_step() for c, t, _ in calls}
+    assert len(set(firsts.values())) > 1
+    with builder._lock:
+        assert builder._oldest_waiting_step() == min(firsts[i] for i in builder._waiting)
+        builder._waiting.popitem(last=False)  # the oldest waiting goes to the child (as _pick takes it)
+        assert builder._oldest_waiting_step() == min(firsts[i] for i in builder._waiting)
+        builder._waiting.clear()
+        assert builder._oldest_waiting_step() is None and builder._first_steps == []
+    for n in range(200):  # a busy server: calls come and go, the heap does not grow past its bound
+        call, trace, result = calls[n % 5]
+        builder.add(CoreCall(f"again{n}", call.request, call.marks, [5], None, call.params), trace, result)
+        with builder._lock:
+            builder._oldest_waiting_step()
+            assert len(builder._first_steps) <= 2 * len(builder._waiting) + 64
+
+
+def test_the_child_forgets_the_steps_before_the_oldest_still_needed():
+    child = Child.__new__(Child)  # its bookkeeping alone: no process
+    child.sent_steps, child._sent_heap = set(), []
+    child.hold({5: None, 3: None, 9: None}, keep_from=0)
+    child.hold({4: None, 9: None}, keep_from=4)
+    assert child.sent_steps == {4, 5, 9}
+    child.hold({}, keep_from=9)
+    assert child.sent_steps == {9} and child._sent_heap == [9]
 
 
 def test_the_builders_process_dying_loses_its_calls_alone(engine, tmp_path):

@@ -20,6 +20,7 @@ built, then the child exits.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import multiprocessing
 import threading
@@ -58,12 +59,23 @@ class Child:
         their_inbox.close()  # the child's ends: closed here, so that the pipes break when it dies
         their_outbox.close()
         self.sent_steps: set[int] = set()  # the step snapshots it holds
+        self._sent_heap: list[int] = []  # the same indices, oldest first (both under the builder's lock)
         self.setup: Setup | None = setup  # sent (by the sending thread: it waits for the child's start) with its
         # first job
     def send_setup(self) -> None:
         if self.setup is not None:
             self.inbox.send(self.setup)
             self.setup = None
+
+    def hold(self, snapshots, keep_from: int) -> None:
+        """The child now holds these snapshots and forgets those before keep_from. The oldest go first: with
+        a backlog of a thousand calls it holds hundreds of steps, too many to scan at every call."""
+        for i in snapshots:
+            if i not in self.sent_steps:
+                self.sent_steps.add(i)
+                heapq.heappush(self._sent_heap, i)
+        while self._sent_heap and self._sent_heap[0] < keep_from:
+            self.sent_steps.discard(heapq.heappop(self._sent_heap))
 
     def end(self, timeout: float) -> None:
         self.process.join(timeout)
@@ -87,6 +99,9 @@ class AnatomyBuilder:
         self.backlog = backlog
         self.in_flight = in_flight
         self._waiting: OrderedDict[str, tuple] = OrderedDict()  # id -> (call, trace, result), oldest first
+        # (first step, id) of the waiting calls, lowest first; entries of calls no longer waiting are skipped when
+        # they come to the top (see _oldest_waiting_step)
+        self._first_steps: list[tuple[int, str]] = []
         self._wanted: set[str] = set()
         self._fresh: list[tuple] = []  # finished calls whose metrics are not recorded yet
         self._building: dict[str, tuple] = {}  # id -> (call, seconds waited here) of the calls in the child
@@ -134,6 +149,7 @@ class AnatomyBuilder:
             self._live_from = live_from
             item = (call, trace, result)
             self._waiting[call.id] = item
+            heapq.heappush(self._first_steps, (trace.first_step(), call.id))
             self._fresh.append(item)
             if call.request.want_anatomy:
                 self._wanted.add(call.id)
@@ -150,6 +166,18 @@ class AnatomyBuilder:
             if anatomy_id in self._waiting:
                 self._wanted.add(anatomy_id)
                 self._lock.notify_all()
+
+    def _oldest_waiting_step(self) -> int | None:
+        """The lowest step index a waiting call's anatomy reads (with the lock held). A busy server keeps a
+        thousand calls waiting and sends more than a hundred a second: a scan of them all at every send held the
+        engine core's interpreter lock, which its step loop needs."""
+        heap = self._first_steps
+        if len(heap) > 2 * len(self._waiting) + 64:  # mostly entries of calls gone: start again from those left
+            heap[:] = [(t.first_step(), i) for i, (_, t, _) in self._waiting.items()]
+            heapq.heapify(heap)
+        while heap and heap[0][1] not in self._waiting:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     @property
     def waiting(self) -> int:
@@ -227,8 +255,8 @@ class AnatomyBuilder:
             if child is not None:
                 self._building[call.id] = (call, time.perf_counter() - t0)
                 new = {i: step_and_measure for i, step_and_measure in shared.items() if i not in child.sent_steps}
-                keep_from = min([min(shared)] + [t.first_step() for _, t, _ in self._waiting.values()]
-                                + ([] if self._live_from is None else [self._live_from]))
+                keep_from = min(i for i in (min(shared), self._oldest_waiting_step(), self._live_from)
+                                if i is not None)
         for conn in stale:
             conn.close()
         if child is None:  # the child died as the server stopped: no new one is started then
@@ -239,8 +267,7 @@ class AnatomyBuilder:
             snapshots = {i: measure.snapshot(step, trace.clock) for i, (step, measure) in new.items()}
             child.inbox.send((snapshots, job, keep_from))
             with self._lock:
-                child.sent_steps.update(snapshots)
-                child.sent_steps.difference_update([i for i in child.sent_steps if i < keep_from])
+                child.hold(snapshots, keep_from)
         except OSError:  # the child died: the receiving thread answers the calls it held and starts another
             pass
         except Exception as e:  # noqa: BLE001 - this call's record could not be sent
