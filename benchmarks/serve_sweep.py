@@ -38,6 +38,7 @@ import httpx
 from bench_args import Parser, output_file, positive_int, positive_ints
 
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
+STORE_KEEPS = 1000  # the anatomies a server keeps (serve's --keep-anatomies default, which the sweep leaves)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -257,10 +258,22 @@ def metric(url: str, name: str) -> float | None:
     return None
 
 
-def server_view(url: str, records: list[dict], sample: int | None = None) -> dict:
-    """What the calls' own anatomies say, from those the server still holds (its store keeps the latest ones: at
-    many streams the first calls of a level may have been rotated out, or never built: a busy server drops the
-    oldest unbuilt ones). `sample`: read only the level's last that many (each read has the server build it).
+def sampled(records: list, sample: int | None, held: int) -> list:
+    """`sample` records spread evenly over the last `held` (those whose anatomies the store may still hold), the
+    first and the last among them: the level's last calls alone are its drain, where the batch empties."""
+    recent = records[-held:]
+    if sample is None or sample >= len(recent):
+        return recent
+    if sample == 1:
+        return recent[-1:]
+    return [recent[round(i * (len(recent) - 1) / (sample - 1))] for i in range(sample)]
+
+
+def server_view(url: str, records: list[dict], sample: int | None = None, held: int = STORE_KEEPS) -> dict:
+    """What the calls' own anatomies say, from those the server still holds (its store keeps the latest `held`:
+    at many streams the first calls of a level may have been rotated out, or never built: a busy server drops the
+    oldest unbuilt ones). `sample`: read only that many, spread over the level's calls the store may still hold
+    (each read has the server build it).
     Beside them, where each client's TTFT went (clients and server on one host, so their wall clocks agree):
     `arrival_ms` and `delivery_ms` around the server's TTFT, as `llm-anatomy bench --anatomy` splits it
     (bench.join.ttft_split)."""
@@ -268,7 +281,7 @@ def server_view(url: str, records: list[dict], sample: int | None = None) -> dic
 
     anatomies, missing, arrival, delivery = [], 0, [], []
     records = [r for r in records if r.get("anatomy_id")]
-    for r in records[-sample:] if sample else records:
+    for r in sampled(records, sample, held):
         response = httpx.get(f"{url}/v1/anatomy/{r['anatomy_id']}", timeout=60)
         if response.status_code == 404:
             missing += 1
@@ -398,7 +411,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--requests-per-stream", type=positive_int, default=4,
                     help="requests each stream sends in turn at each level (default 4: 2048 requests at 512)")
     ap.add_argument("--anatomy-sample", type=positive_int, default=64,
-                    help="anatomies read per level for the server's view: the level's last (default 64)")
+                    help="anatomies read per level for the server's view, spread over the level's calls the server may "
+                         "still hold, the last 1000 (default 64)")
     ap.add_argument("--bench-prompts", type=positive_int,
                     help="then run `llm-anatomy bench` with this many prompts at the largest level, first shape")
     ap.add_argument("--client-processes", type=positive_int, default=8,

@@ -359,6 +359,15 @@ def test_serve_sweep_server_view_skips_anatomies_the_store_rotated_out(scripts, 
     assert "arrival_ms_p50" not in last  # records without a send time (and anatomies without a start): no split
 
 
+def test_serve_sweep_samples_anatomies_across_the_level_not_its_drain(scripts):
+    sweep = scripts("serve_sweep")
+    records = list(range(10))
+    assert sweep.sampled(records, 3, held=6) == [4, 6, 9]  # the first and last the store may hold, and between
+    assert sweep.sampled(records, None, held=6) == [4, 5, 6, 7, 8, 9]
+    assert sweep.sampled(records, 20, held=100) == records and sweep.sampled(records, 1, held=6) == [9]
+    assert sweep.sampled([], 3, held=6) == []
+
+
 def test_serve_sweep_splits_the_clients_ttft_around_the_servers(scripts, monkeypatch):
     """Client TTFT = arrival (send -> the server's first mark) + the server's TTFT + delivery, per request."""
     sweep = scripts("serve_sweep")
