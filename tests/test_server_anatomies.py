@@ -143,17 +143,28 @@ def test_backlog_drops_the_oldest_wanted_goes_first_stop_builds_the_rest(engine,
     builder, http = builder_for(engine, store, calls, backlog=3, in_flight=1)
     for item in calls:
         builder.add(*item)  # not started: they wait, and the two oldest are pushed out
-    assert [http.calls[c.id].anatomy_built for c, _, _ in calls] == [True, True, False, False, False]
-    assert "too busy" in http.calls["call00"].anatomy["error"]
-    assert http.metrics.anatomies_dropped.labels("m")._value.get() == 2
+    # said by the sending thread, not by the step loop that adds (a report waits until it is written)
+    assert not any(http.calls[c.id].anatomy_built for c, _, _ in calls)
+    assert [c.id for c in builder._dropped] == ["call00", "call01"]
     builder.want("call04")
     builder.start()
     builder.stop()
+    assert "too busy" in http.calls["call00"].anatomy["error"] and "too busy" in http.calls["call01"].anatomy["error"]
+    assert http.metrics.anatomies_dropped.labels("m")._value.get() == 2
     assert store.ids()[0] == "call04" and sorted(store.ids()) == ["call02", "call03", "call04"]
     assert all(http.calls[c.id].anatomy_built and "error" not in http.calls[c.id].anatomy for c, _, _ in calls[2:])
     assert http.metrics.generation_tokens.labels("m")._value.get() == sum(3 + 2 * i for i in range(5))
     assert builder._child is None and builder._sender.is_alive() is False and builder._receiver.is_alive() is False
     store.close()
+
+
+def test_the_step_loop_pushing_calls_out_of_the_backlog_sends_nothing_itself(engine):
+    """A send waits until the HTTP process has the message; the step loop (add) must never wait for that pipe."""
+    sent = []
+    builder = AnatomyBuilder(engine, CEILINGS, sent.append, None, "off", "test", backlog=1)
+    for item in finished_calls(engine, 4):
+        builder.add(*item)
+    assert sent == [] and len(builder._dropped) == 3 and len(builder._waiting) == 1
 
 
 def test_the_oldest_step_a_waiting_call_reads_is_kept_without_scanning_them(engine, tmp_path):

@@ -104,6 +104,9 @@ class AnatomyBuilder:
         self._first_steps: list[tuple[int, str]] = []
         self._wanted: set[str] = set()
         self._fresh: list[tuple] = []  # finished calls whose metrics are not recorded yet
+        # calls pushed out of the backlog, for the sending thread to report: a report waits until it is written to
+        # the HTTP process, and the step loop, which pushes them out, must not wait for that
+        self._dropped: list = []
         self._building: dict[str, tuple] = {}  # id -> (call, seconds waited here) of the calls in the child
         self._lock = threading.Condition()
         self._stopping = False
@@ -153,12 +156,9 @@ class AnatomyBuilder:
             self._fresh.append(item)
             if call.request.want_anatomy:
                 self._wanted.add(call.id)
-            dropped = []
             while len(self._waiting) > self.backlog:
-                dropped.append(self._waiting.popitem(last=False)[1][0])
+                self._dropped.append(self._waiting.popitem(last=False)[1][0])
             self._lock.notify_all()
-        for old in dropped:
-            self._give_up(old, "dropped")
 
     def want(self, anatomy_id: str) -> None:
         """Someone waits for this anatomy: build it next."""
@@ -195,27 +195,31 @@ class AnatomyBuilder:
             return self._waiting.popitem(last=False)[1]
         return None
 
-    def _next(self) -> tuple[list, tuple | None, bool]:
-        """(finished calls whose metrics are due, the call to send next or None, whether to stop)."""
+    def _next(self) -> tuple[list, list, tuple | None, bool]:
+        """(finished calls whose metrics are due, calls dropped unbuilt, the call to send next or None, whether to
+        stop)."""
         with self._lock:
             while True:
                 fresh, self._fresh = self._fresh, []
+                dropped, self._dropped = self._dropped, []
                 item = self._pick()
-                if fresh or item is not None:
-                    return fresh, item, False
+                if fresh or dropped or item is not None:
+                    return fresh, dropped, item, False
                 if self._stopping and not self._waiting:
-                    return [], None, True
+                    return [], [], None, True
                 self._lock.wait()
 
     def _send_loop(self) -> None:
         if self.engine.device.type == "cuda":  # reading the steps' device events
             torch.cuda.set_device(self.engine.device)
         while True:
-            fresh, item, stop = self._next()
+            fresh, dropped, item, stop = self._next()
             if stop:
                 break
             if fresh:
                 self._metrics(fresh)
+            for old in dropped:
+                self._give_up(old, "dropped")
             if item is not None:
                 self._send(*item)
         with self._lock:  # everything is in the child: let it finish and exit
