@@ -190,8 +190,10 @@ def test_closed_loop_figures_match_the_servers_timing(server, tmp_path, capsys):
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             assert set(lv[key]) == {"mean", "p50", "p90", "p99"}
         assert ttft <= lv["ttft_ms"]["p50"] <= lv["ttft_ms"]["p99"] <= ttft + 100
-        assert 0.9 * itl <= lv["itl_ms"]["mean"] <= 2 * itl  # single gaps jitter; their mean cannot undercut
-        assert 0.9 * itl <= lv["tpot_ms"]["mean"] <= 2 * itl
+        # their mean cannot undercut the server's gaps; above, the same slack as TTFT's for a busy 2-core machine,
+        # where the fake's 20 ms sleeps have averaged 41 ms
+        assert 0.9 * itl <= lv["itl_ms"]["mean"] <= itl + 100
+        assert 0.9 * itl <= lv["tpot_ms"]["mean"] <= itl + 100
         assert ttft + 7 * itl <= lv["e2e_ms"]["p50"] <= ttft + 7 * itl + 150
         assert lv["output_tokens"] == 32 and lv["output_tokens_from"] == "usage" and lv["input_tokens"] == 64
         assert lv["finish_reasons"] == {"length": 4}
