@@ -38,6 +38,7 @@ import httpx
 from bench_args import Parser, output_file, positive_int, positive_ints
 
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
+WINDOW_S = 5.0  # the windows of a level's output tok/s over time (by_window)
 STORE_KEEPS = 1000  # the anatomies a server keeps (serve's --keep-anatomies default, which the sweep leaves)
 
 
@@ -149,14 +150,29 @@ def steady(first_sends: list[float], last_ends: list[float], tokens_at: list[tup
     return {"steady_s": end - start, "steady_tok_s": tokens / (end - start), "drain_s": max(last_ends) - end}
 
 
+def by_window(tokens_at: list[tuple[float, float]], start: float, seconds: float = WINDOW_S) -> list[float]:
+    """Output tok/s in each whole window of `seconds` from `start` (the part after the last whole one is left out):
+    a server that slows as a run goes on shows here, where a level's one figure averages it away."""
+    if not tokens_at:
+        return []
+    sums = [0.0] * int((max(t for t, _ in tokens_at) - start) // seconds)
+    for t, n in tokens_at:
+        i = int((t - start) // seconds)
+        if 0 <= i < len(sums):
+            sums[i] += n
+    return [x / seconds for x in sums]
+
+
 def client_steady(records: list[dict]) -> dict:
-    """`steady` over a level's client records (each with its stream, send, end and the chunks' arrival times)."""
+    """`steady` over a level's client records (each with its stream, send, end and the chunks' arrival times), and
+    the level's output tok/s window by window from its first send (`by_window`)."""
     first, last = {}, {}
     for r in records:
         first[r["stream"]] = min(first.get(r["stream"], r["start"]), r["start"])
         last[r["stream"]] = max(last.get(r["stream"], r["end"]), r["end"])
     tokens_at = [(t, r["tokens"] / len(r["times"])) for r in records if r.get("times") for t in r["times"]]
-    return steady(list(first.values()), list(last.values()), tokens_at)
+    return {**steady(list(first.values()), list(last.values()), tokens_at), "window_s": WINDOW_S,
+            "tok_s_by_window": by_window(tokens_at, min(first.values(), default=0.0))}
 
 
 # ---- the bare engine ------------------------------------------------------------------------------------------------

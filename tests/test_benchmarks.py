@@ -359,6 +359,17 @@ def test_serve_sweep_server_view_skips_anatomies_the_store_rotated_out(scripts, 
     assert "arrival_ms_p50" not in last  # records without a send time (and anatomies without a start): no split
 
 
+def test_serve_sweep_gives_a_levels_tok_s_window_by_window(scripts):
+    sweep = scripts("serve_sweep")
+    tokens_at = [(100.5, 10), (104.9, 10), (105.0, 30), (109.0, 5), (110.5, 99)]  # 1 s into a third window: left out
+    assert sweep.by_window(tokens_at, 100.0, seconds=5) == [4.0, 7.0]
+    assert sweep.by_window([], 100.0) == [] and sweep.by_window([(101.0, 5)], 100.0, seconds=5) == []
+    records = [{"stream": 0, "start": 100.0, "end": 104.0, "tokens": 4, "times": [101.0, 102.0, 103.0, 104.0]},
+               {"stream": 1, "start": 100.5, "end": 111.0, "tokens": 2, "times": [106.0, 111.0]}]
+    held = sweep.client_steady(records)
+    assert held["window_s"] == sweep.WINDOW_S and held["tok_s_by_window"] == [0.8, 0.2]
+
+
 def test_serve_sweep_samples_anatomies_across_the_level_not_its_drain(scripts):
     sweep = scripts("serve_sweep")
     records = list(range(10))
@@ -465,7 +476,8 @@ def test_serve_sweep_client_steady_counts_the_chunks_of_each_stream(scripts):
                {"stream": 1, "start": 4.0, "end": 4.1, "error": "ReadError", "tokens": 0}]  # no chunks: no tokens
     # window 0.5 .. 4.1 (stream 1's last answer, failed): 2 + 2 + 1 + 1 + 1 + 1 tokens in 3.6 s
     assert sweep.client_steady(records) == {"steady_s": pytest.approx(3.6), "steady_tok_s": pytest.approx(8 / 3.6),
-                                            "drain_s": pytest.approx(1.9)}
+                                            "drain_s": pytest.approx(1.9), "window_s": sweep.WINDOW_S,
+                                            "tok_s_by_window": [8 / sweep.WINDOW_S]}  # 0 .. 5 s: all but the 6 s chunk
 
 
 def test_serve_sweep_engine_closed_loop_runs_each_streams_requests_in_turn(scripts, tiny_checkpoint):
