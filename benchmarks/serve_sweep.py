@@ -296,7 +296,9 @@ def server_view(url: str, records: list[dict], sample: int | None = None, held: 
     from llm_anatomy.bench.join import ttft_split
 
     anatomies, missing, arrival, delivery = [], 0, [], []
-    records = [r for r in records if r.get("anatomy_id")]
+    # in the order they finished, as the store rotates them (the clients return theirs stream by stream: the last
+    # `held` of that order reach back to each stream's first requests, long rotated out at many streams)
+    records = sorted((r for r in records if r.get("anatomy_id")), key=lambda r: r.get("end", 0.0))
     for r in sampled(records, sample, held):
         response = httpx.get(f"{url}/v1/anatomy/{r['anatomy_id']}", timeout=60)
         if response.status_code == 404:

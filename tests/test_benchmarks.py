@@ -379,6 +379,22 @@ def test_serve_sweep_samples_anatomies_across_the_level_not_its_drain(scripts):
     assert sweep.sampled([], 3, held=6) == []
 
 
+def test_serve_sweep_samples_the_calls_that_finished_last_not_the_last_streams(scripts, monkeypatch):
+    """The clients return records stream by stream; the store holds the calls that finished last."""
+    sweep = scripts("serve_sweep")
+    asked = []
+
+    def get(url, timeout):
+        asked.append(url.rsplit("/", 1)[1])
+        return SimpleNamespace(status_code=200, json=lambda: anatomy(10.0, 4), raise_for_status=lambda: None)
+
+    monkeypatch.setattr(sweep.httpx, "get", get)
+    # two streams of three calls each, stream 0's records first: the two that finished last are "a3" and "b3"
+    records = [{"anatomy_id": f"{s}{n}", "end": 10.0 * n + (s == "b")} for s in "ab" for n in (1, 2, 3)]
+    view = sweep.server_view("http://server", records, held=2)
+    assert sorted(asked) == ["a3", "b3"] and view["anatomies"] == 2
+
+
 def test_serve_sweep_splits_the_clients_ttft_around_the_servers(scripts, monkeypatch):
     """Client TTFT = arrival (send -> the server's first mark) + the server's TTFT + delivery, per request."""
     sweep = scripts("serve_sweep")
