@@ -241,3 +241,23 @@ def test_a_window_with_no_whole_unit_inside_has_no_upper_bound():
     work = [Work(0.0, 400.0, 16), Work(400.0, 800.0, 16)]  # two long units; updates at 95..795 inside
     rate = steady_rate(counter_updates(stream([(float("-inf"), 400.0)], t_to=900.0)), work)
     assert rate.high is None and rate.rel_halfwidth == float("inf") and rate.j_per_token == pytest.approx(10.0)
+
+
+def test_the_servers_telemetry_window_holds_the_calls_samples_and_margins_only():
+    """A call's window from the stream's deque: every sample within the margins, in order, none outside (the
+    deque scanned from its newest end)."""
+    import collections
+    import threading
+
+    from llm_anatomy.probe.telemetry import TelemetryStream
+
+    stream = object.__new__(TelemetryStream)  # its samples only: no device, no sampling process
+    stream._lock = threading.Lock()
+    stream._samples = collections.deque(RawSample(t * 20, None, None, None, None, None, None, None, None, None)
+                                        for t in range(1000))  # every 20 ns, 0 .. 19,980
+    times = [s.t_ns for s in stream.window(5_000, 6_000, margin_ns=100)]
+    assert times == list(range(4_900, 6_101, 20))
+    assert [s.t_ns for s in stream.window(0, 10, margin_ns=0)] == [0]
+    assert [s.t_ns for s in stream.window(19_990, 30_000, margin_ns=5)] == []
+    assert [s.t_ns for s in stream.window(19_970, 30_000, margin_ns=0)] == [19_980]
+    assert stream.window(30_000, 40_000, margin_ns=0) == [] and len(stream.window(-10, 10**9, margin_ns=0)) == 1000

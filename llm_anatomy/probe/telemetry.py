@@ -228,8 +228,18 @@ class TelemetryStream:
     def window(self, t0_ns: int, t1_ns: int, margin_ns: int = 300_000_000) -> list[RawSample]:
         """Samples from `margin_ns` before t0 to `margin_ns` after t1 (the energy counter is interpolated
         between its updates, so each end needs an update beyond it)."""
-        with self._lock:
-            return [s for s in self._samples if t0_ns - margin_ns <= s.t_ns <= t1_ns + margin_ns]
+        low, high = t0_ns - margin_ns, t1_ns + margin_ns
+        out = []
+        with self._lock:  # newest first, stopping at the window's start: the deque holds `keep_s` of samples
+            # (30,000 at 50 Hz), and a busy server takes a window for each of a hundred calls a second, under the
+            # interpreter lock its step loop needs
+            for s in reversed(self._samples):
+                if s.t_ns < low:
+                    break
+                if s.t_ns <= high:
+                    out.append(s)
+        out.reverse()
+        return out
 
     def stop(self) -> None:
         if self._process is None:
