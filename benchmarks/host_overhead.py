@@ -350,10 +350,11 @@ def core_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
                 cpu.append(used * 1e3)
                 send_cpu.append((sender.cpu_s - s0) * 1e3)
                 sent_bytes.append(sender.bytes - b0)
-    finished = [(trace, call) for call, trace, _ in core.builder._waiting.values()]
+    builder = core.builder.builders[0]  # make_core: one
+    finished = [(trace, call) for call, trace, _ in builder._waiting.values()]
     sender("end")
     recv_s = receiver.stop()
-    parent, child = anatomy_costs(core.builder, engine, finished)
+    parent, child = anatomy_costs(builder, engine, finished)
     drop_core(engine, core)
     steps = output_tokens  # each call's anatomy covers its `output_tokens` steps, shared by the batch
     return {"core_ms": statistics.median(times), "core_cpu_ms": statistics.median(cpu),

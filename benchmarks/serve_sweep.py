@@ -442,6 +442,7 @@ def parse_args(argv: list[str] | None):
                                                                         "(default: their own)")
     ap.add_argument("--mixed-steps", action="store_true", help="for the server and the bare engine")
     ap.add_argument("--stream-interval", type=positive_int, help="passed to the server (default: its own)")
+    ap.add_argument("--anatomy-processes", type=positive_int, help="passed to the server (default: its own)")
     ap.add_argument("--out", type=output_file, default=Path("serve_sweep.json"),
                     help="the results (JSON); the server's log and run directory go beside it")
     args = ap.parse_args(argv)
@@ -540,6 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []
     extra += ["--mixed-steps"] if args.mixed_steps else []
     extra += ["--stream-interval", str(args.stream_interval)] if args.stream_interval else []
+    extra += ["--anatomy-processes", str(args.anatomy_processes)] if args.anatomy_processes else []
     longest = max(p + o for p, o in args.shapes)
     extra += ["--kv-cache-tokens", str(max(levels) * (longest + 16))]  # the bare engine's pool, not more
     proc = start_server(args.model, args.port, run_dir, max(levels), args.out.parent / "server.log", extra)

@@ -340,6 +340,9 @@ def add_serve(sub) -> None:
     srv.add_argument("--run-dir", type=output_dir, default="~/.cache/llm-anatomy/serve",
                      help="where anatomies.jsonl is kept across restarts (default ~/.cache/llm-anatomy/serve)")
     srv.add_argument("--keep-anatomies", type=integer(1), default=1000, help="newest anatomies kept (default 1000)")
+    srv.add_argument("--anatomy-processes", type=integer(1, 64),
+                     help="processes building the served calls' anatomies (default: one per four CPUs, 1 to 4); a "
+                          "busy server finishes more calls than one builds, and drops the oldest unbuilt")
     srv.add_argument("--max-body-bytes", type=integer(1), default=4 << 20,
                      help="request body limit in bytes (default 4194304, 4.19 MB)")
     srv.add_argument("--drain-timeout", type=real(0), default=120.0,
@@ -367,6 +370,7 @@ def _serve_preflight(args, model: str) -> str:
 
 def cmd_serve(args) -> int:
     from .progress import ProgressLine
+    from .server.anatomies import default_builders
     from .server.app import build_server, serve
     from .server.auth import api_keys
     from .server.core import EngineSpec
@@ -389,17 +393,20 @@ def cmd_serve(args) -> int:
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          mixed_steps=args.mixed_steps, quantization=args.quantization,
                          kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
+    builders = args.anatomy_processes or default_builders()
     with ProgressLine() as progress:
         server, client = build_server(
             spec, host=args.host, port=args.port, model_names=names, calibrate=not args.no_calibrate,
             run_dir=args.run_dir, keep_anatomies=args.keep_anatomies, api_keys=keys,
             max_body_bytes=args.max_body_bytes, device_why=why, telemetry_hz=None if args.no_telemetry else 50.0,
-            drain_timeout_s=args.drain_timeout, stream_interval=args.stream_interval, log_level=args.log_level,
+            drain_timeout_s=args.drain_timeout, stream_interval=args.stream_interval,
+            anatomy_processes=builders, log_level=args.log_level,
             progress=progress.stage)
     settle_heap()
     info = client.info
     print(f"llm-anatomy: serving {names[0]} ({info.weights_label}) on http://{args.host}:{args.port}/v1 "
-          f"- KV pool {info.admission.capacity_tokens} tokens, anatomies in {args.run_dir}", file=sys.stderr,
+          f"- KV pool {info.admission.capacity_tokens} tokens, anatomies in {args.run_dir} (built by {builders} "
+          f"process{'es' if builders > 1 else ''})", file=sys.stderr,
           flush=True)
     serve(server)
     return 0

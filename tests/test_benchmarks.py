@@ -297,6 +297,7 @@ def test_check_core_refuses_a_case_longer_than_the_model_before_any_case_runs(sc
     (["--client-processes", "2.5"], "argument --client-processes: want a positive whole number"),
     (["--bench-prompts", "-3"], "argument --bench-prompts"),
     (["--stream-interval", "x"], "argument --stream-interval: want a positive whole number"),
+    (["--anatomy-processes", "0"], "argument --anatomy-processes: want a positive whole number"),
     (["--max-num-batched-tokens", "x"], "argument --max-num-batched-tokens: want a positive whole number"),
     (["--out", str(BENCHMARKS)], "argument --out: want a file name"),
     (["--model", "nope"], "unknown model 'nope'"),

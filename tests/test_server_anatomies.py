@@ -15,7 +15,7 @@ from llm_anatomy.probe.call import Marks, build_anatomy
 from llm_anatomy.probe.clock import Clock
 from llm_anatomy.engine.sampling import SamplingParams
 from llm_anatomy.probe.recorder import Recorder
-from llm_anatomy.server.anatomies import AnatomyBuilder, Child
+from llm_anatomy.server.anatomies import AnatomyBuilder, AnatomyBuilders, Child, default_builders
 from llm_anatomy.server.anatomy_process import SERVED_NOTES, Builder
 from llm_anatomy.server.core import CoreCall
 from llm_anatomy.server.loop import Call, EngineClient
@@ -200,6 +200,34 @@ def test_the_child_forgets_the_steps_before_the_oldest_still_needed():
     assert child.sent_steps == {9} and child._sent_heap == [9]
 
 
+def test_several_builders_take_calls_in_turn_each_with_its_process_and_share_of_the_backlog(engine, tmp_path):
+    calls = finished_calls(engine, 6)
+    store = AnatomyStore(tmp_path, keep=10)
+    http = Receiving(store, calls)
+    builders = AnatomyBuilders(engine, CEILINGS, http, None, "off", "test", backlog=5, processes=2)
+    first, second = builders.builders
+    assert (first.backlog, second.backlog) == (3, 3)
+    for item in calls:
+        builders.add(*item)  # not started: they wait, in turn
+    assert list(first._waiting) == ["call00", "call02", "call04"] and list(second._waiting) == ["call01", "call03",
+                                                                                                   "call05"]
+    builders.want("call03")
+    assert second._wanted == {"call03"} and first._wanted == set()
+    builders.start()
+    try:
+        assert first._child.process.pid != second._child.process.pid
+        wait_for(lambda: all(c.anatomy_built for c in http.calls.values()))
+        assert all("error" not in c.anatomy for c in http.calls.values())
+        assert sorted(store.ids()) == [c.id for c, _, _ in calls]
+    finally:
+        builders.stop()
+        store.close()
+    assert first._child is None and second._child is None
+    with pytest.raises(ValueError, match="processes must be an integer >= 1"):
+        AnatomyBuilders(engine, CEILINGS, http, None, "off", "test", processes=0)
+    assert 1 <= default_builders() <= 4
+
+
 def test_the_builders_process_dying_loses_its_calls_alone(engine, tmp_path):
     calls = finished_calls(engine, 4)
     store = AnatomyStore(tmp_path, keep=10)
@@ -281,3 +309,12 @@ def test_the_device_memory_census_is_taken_again_only_once_it_is_half_a_second_o
     assert builder._device_state() is first and len(taken) == 1
     builder._state_at -= anatomies.STATE_MAX_AGE_S + 0.01
     assert builder._device_state() is not first and len(taken) == 2
+
+
+@pytest.mark.parametrize("field,value", [("anatomy_processes", 0), ("anatomy_processes", 1.5),
+                                         ("stream_interval", 0), ("stream_interval", "2")])
+def test_core_options_refuse_a_bad_count(field, value):
+    from llm_anatomy.server.core import CoreOptions
+
+    with pytest.raises(ValueError, match=f"{field} must be an integer >= 1"):
+        CoreOptions(**{field: value})

@@ -15,7 +15,8 @@ At most `in_flight` calls are in the child at once; the others wait here, oldest
 are kept: older unbuilt ones are dropped, and said to be). A call whose anatomy someone asks for (`anatomy:
 true`, or GET /v1/anatomy/{id}) is sent next, whatever waits. If the child dies, the calls it held get an error
 summary, a restart is reported (("restarted",)), and a new child is started. At stop, everything waiting is
-built, then the child exits.
+built, then the child exits. A busy server runs several builders (AnatomyBuilders), each with its own child,
+finished calls going to them in turn.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import heapq
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -120,11 +122,16 @@ class AnatomyBuilder:
         self._receiver = threading.Thread(target=self._receive_loop, name="llm-anatomy-anatomy-receive",
                                           daemon=True)
 
+    def launch(self) -> None:
+        """Start the child's process (its imports take seconds: several builders' children start together)."""
+        if self._child is None:
+            self._child = Child(self.setup)
+            self._child.send_setup()
+
     def start(self, ready_timeout: float = 300.0) -> None:
-        """Start the child and wait until it is ready (its imports take seconds: the first calls' anatomies
-        should not wait for them)."""
-        self._child = Child(self.setup)
-        self._child.send_setup()
+        """Start the child (unless launched) and wait until it is ready: the first calls' anatomies should not wait
+        for its imports."""
+        self.launch()
         if not self._child.outbox.poll(ready_timeout):
             raise RuntimeError(f"the anatomy builder's process was not ready in {ready_timeout:.0f} s")
         self._child.outbox.recv()
@@ -373,3 +380,43 @@ class AnatomyBuilder:
             self.send(message)
         except OSError:  # the HTTP process is gone: nobody to tell
             pass
+
+
+def default_builders() -> int:
+    """Anatomy processes for this machine: one per four CPUs this process may run on, from one to four. At
+    hundreds of streams a GPU finishes calls faster than one process builds their anatomies (milliseconds of
+    Python each); the engine core, the HTTP process and the clients need CPUs too."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
+
+
+class AnatomyBuilders:
+    """Several AnatomyBuilders, each with its own process, taking finished calls in turn: a busy server finishes
+    more calls than one process builds. Each keeps its share of the backlog."""
+
+    def __init__(self, engine, ceilings: Ceilings, send, telemetry: TelemetryStream | None, telemetry_note: str,
+                 device_why: str, backlog: int = 1000, processes: int = 1):
+        if not isinstance(processes, int) or processes < 1:
+            raise ValueError(f"processes must be an integer >= 1, got {processes!r}")
+        share = -(-backlog // processes)
+        self.builders = [AnatomyBuilder(engine, ceilings, send, telemetry, telemetry_note, device_why, backlog=share)
+                         for _ in range(processes)]
+        self._turn = 0
+
+    def start(self, ready_timeout: float = 300.0) -> None:
+        for builder in self.builders:
+            builder.launch()
+        for builder in self.builders:
+            builder.start(ready_timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for builder in self.builders:
+            builder.stop(timeout)
+
+    def add(self, call: "Call", trace: RequestTrace, result, live_from: int | None = None) -> None:
+        builder = self.builders[self._turn]
+        self._turn = (self._turn + 1) % len(self.builders)
+        builder.add(call, trace, result, live_from)
+
+    def want(self, anatomy_id: str) -> None:
+        for builder in self.builders:  # the one that holds it takes it first
+            builder.want(anatomy_id)

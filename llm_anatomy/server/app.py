@@ -79,7 +79,7 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
                  ceilings: Ceilings | None = None, calibrate: bool = True, keep_anatomies: int = 1000,
                  api_keys: tuple[str, ...] = (), api_key: str | None = None, max_body_bytes: int = 4 << 20,
                  device_why: str = "", telemetry_hz: float | None = 50.0, drain_timeout_s: float = 120.0,
-                 stream_interval: int = 1, log_level: str = "warning", progress=None,
+                 stream_interval: int = 1, anatomy_processes: int = 1, log_level: str = "warning", progress=None,
                  switch_interval_s: float | None = SWITCH_INTERVAL_S,
                  gc_threshold: int | None = SERVING_GC_THRESHOLD) -> tuple[DrainingServer, EngineClient]:
     """The uvicorn server and its engine client, the engine core started and ready (AnatomyError if it could not
@@ -88,12 +88,14 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
     Engine already built in this process runs it on a thread here (tests that reach into the engine).
     `ceilings`: None measures them (or reads the cache) where the engine runs, or takes the datasheet's without
     `calibrate`. `api_keys`: the accepted keys (`api_key`, one more); none: no key needed. `stream_interval`:
-    tokens per streamed chunk at most (core.py)."""
+    tokens per streamed chunk at most (core.py). `anatomy_processes`: the anatomy builders' processes
+    (anatomies.py)."""
     if not isinstance(engine, (EngineSpec, Engine)):
         raise TypeError(f"engine must be an EngineSpec or an Engine, got {type(engine).__name__}")
     keys = tuple(api_keys) + ((api_key,) if api_key else ())
     run_dir = Path(run_dir).expanduser()
-    options = CoreOptions(ceilings, calibrate, device_why, telemetry_hz, keep_anatomies, stream_interval)
+    options = CoreOptions(ceilings, calibrate, device_why, telemetry_hz, keep_anatomies, anatomy_processes,
+                          stream_interval)
     store = AnatomyStore(run_dir, keep_anatomies)
     metrics = Metrics(model_names[0])
     if isinstance(engine, EngineSpec):

@@ -44,7 +44,7 @@ from ..probe.call import Marks
 from ..probe.clock import Clock
 from ..probe.recorder import Recorder
 from ..tokenizer import Tokenizer
-from .anatomies import AnatomyBuilder
+from .anatomies import AnatomyBuilders
 from .protocol import Request
 
 log = logging.getLogger("llm_anatomy.server")
@@ -75,7 +75,8 @@ class CoreOptions:
     calibrate: bool = True  # with no ceilings given: measure (or read the cache); False: the datasheet's
     device_why: str = ""
     telemetry_hz: float | None = 50.0  # None: no GPU telemetry
-    keep_anatomies: int = 1000  # the anatomy builder's backlog
+    keep_anatomies: int = 1000  # the anatomy builders' backlog, all together
+    anatomy_processes: int = 1  # anatomy builders, each a process (anatomies.default_builders() for this machine)
     stream_interval: int = 1  # a stream hears of its first token at once, then of new ones every this many (and
     # at its end); above 1, fewer chunks to write per step at large batches, in larger pieces (SGLang's
     # --stream-interval)
@@ -83,6 +84,8 @@ class CoreOptions:
     def __post_init__(self):
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
+        if not isinstance(self.anatomy_processes, int) or self.anatomy_processes < 1:
+            raise ValueError(f"anatomy_processes must be an integer >= 1, got {self.anatomy_processes!r}")
 
 
 @dataclass(frozen=True)
@@ -259,8 +262,8 @@ class EngineCore:
         self.recorder = Recorder(Clock(engine.device))
         self.open_steps = OpenSteps()
         engine.observers += [self.recorder, self.open_steps]
-        self.builder = AnatomyBuilder(engine, ceilings, send, telemetry, telemetry_note, options.device_why,
-                                      backlog=options.keep_anatomies)
+        self.builder = AnatomyBuilders(engine, ceilings, send, telemetry, telemetry_note, options.device_why,
+                                       backlog=options.keep_anatomies, processes=options.anatomy_processes)
         self._calls: dict[str, CoreCall] = {}
         self._outputs: list[tuple] = []  # for the next message
         self._failures: list[tuple] = []
