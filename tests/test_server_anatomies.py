@@ -207,15 +207,21 @@ def test_several_builders_take_calls_in_turn_each_with_its_process_and_share_of_
     builders = AnatomyBuilders(engine, CEILINGS, http, None, "off", "test", backlog=5, processes=2)
     first, second = builders.builders
     assert (first.backlog, second.backlog) == (3, 3)
+    builders.add(*calls[0])  # none ready yet: to the first, which the server's start waits for
+    assert list(first._waiting) == ["call00"] and not second._waiting
+    first._waiting.clear()
+    first.ready = second.ready = True
     for item in calls:
         builders.add(*item)  # not started: they wait, in turn
     assert list(first._waiting) == ["call00", "call02", "call04"] and list(second._waiting) == ["call01", "call03",
                                                                                                    "call05"]
     builders.want("call03")
     assert second._wanted == {"call03"} and first._wanted == set()
+    first.ready = second.ready = False
     builders.start()
     try:
-        assert first._child.process.pid != second._child.process.pid
+        assert first.ready and first._child.process.pid != second._child.process.pid
+        wait_for(lambda: second.ready)  # said by its own child, through its receiving thread
         wait_for(lambda: all(c.anatomy_built for c in http.calls.values()))
         assert all("error" not in c.anatomy for c in http.calls.values())
         assert sorted(store.ids()) == [c.id for c, _, _ in calls]

@@ -116,25 +116,24 @@ class AnatomyBuilder:
         self._stale: list = []  # inboxes of dead children, for the sending thread to close
         self._live_from: int | None = None  # the oldest step a call still running may need (Recorder.oldest_step)
         self.restarts = 0
+        self.ready = False  # its first child has said so
         self._state: DeviceState | None = None  # see _device_state
         self._state_at = 0.0
         self._sender = threading.Thread(target=self._send_loop, name="llm-anatomy-anatomy-send", daemon=True)
         self._receiver = threading.Thread(target=self._receive_loop, name="llm-anatomy-anatomy-receive",
                                           daemon=True)
 
-    def launch(self) -> None:
-        """Start the child's process (its imports take seconds: several builders' children start together)."""
-        if self._child is None:
-            self._child = Child(self.setup)
+    def start(self, ready_timeout: float = 300.0, wait: bool = True) -> None:
+        """Start the child and, with `wait`, wait until it is ready: the first calls' anatomies should not wait for
+        its imports. Without, the sending thread sends it the setup (which waits until the child reads it, after its
+        imports) and `ready` turns true when the child says so."""
+        self._child = Child(self.setup)
+        if wait:
             self._child.send_setup()
-
-    def start(self, ready_timeout: float = 300.0) -> None:
-        """Start the child (unless launched) and wait until it is ready: the first calls' anatomies should not wait
-        for its imports."""
-        self.launch()
-        if not self._child.outbox.poll(ready_timeout):
-            raise RuntimeError(f"the anatomy builder's process was not ready in {ready_timeout:.0f} s")
-        self._child.outbox.recv()
+            if not self._child.outbox.poll(ready_timeout):
+                raise RuntimeError(f"the anatomy builder's process was not ready in {ready_timeout:.0f} s")
+            self._child.outbox.recv()
+            self.ready = True
         self._sender.start()
         self._receiver.start()
 
@@ -219,6 +218,13 @@ class AnatomyBuilder:
     def _send_loop(self) -> None:
         if self.engine.device.type == "cuda":  # reading the steps' device events
             torch.cuda.set_device(self.engine.device)
+        with self._lock:
+            child = self._child
+        try:
+            if child is not None:
+                child.send_setup()  # a no-op if start() sent it
+        except OSError:  # it died before reading it: the receiving thread starts another
+            pass
         while True:
             fresh, dropped, item, stop = self._next()
             if stop:
@@ -324,7 +330,8 @@ class AnatomyBuilder:
                 if not self._child_ended(child):
                     return
                 continue
-            if built == "ready":  # a restarted child's
+            if built == "ready":  # a child started without waiting, or a restarted one
+                self.ready = True
                 continue
             with self._lock:
                 call, waited = self._building.pop(built.id, (None, 0.0))
@@ -403,18 +410,26 @@ class AnatomyBuilders:
         self._turn = 0
 
     def start(self, ready_timeout: float = 300.0) -> None:
-        for builder in self.builders:
-            builder.launch()
-        for builder in self.builders:
-            builder.start(ready_timeout)
+        """Ready when the first is; the others' children are started then, without waiting (a child's imports take
+        seconds, several at once on few CPUs longer: the server's start waits for one). Calls go to them once they
+        are ready."""
+        self.builders[0].start(ready_timeout)
+        for builder in self.builders[1:]:
+            builder.start(wait=False)
 
     def stop(self, timeout: float = 30.0) -> None:
         for builder in self.builders:
             builder.stop(timeout)
 
     def add(self, call: "Call", trace: RequestTrace, result, live_from: int | None = None) -> None:
-        builder = self.builders[self._turn]
-        self._turn = (self._turn + 1) % len(self.builders)
+        """To the next ready builder in turn (the first, started ready, if none is)."""
+        for _ in self.builders:
+            builder = self.builders[self._turn]
+            self._turn = (self._turn + 1) % len(self.builders)
+            if builder.ready:
+                break
+        else:
+            builder = self.builders[0]
         builder.add(call, trace, result, live_from)
 
     def want(self, anatomy_id: str) -> None:
