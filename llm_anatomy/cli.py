@@ -340,9 +340,10 @@ def add_serve(sub) -> None:
     srv.add_argument("--run-dir", type=output_dir, default="~/.cache/llm-anatomy/serve",
                      help="where anatomies.jsonl is kept across restarts (default ~/.cache/llm-anatomy/serve)")
     srv.add_argument("--keep-anatomies", type=integer(1), default=1000, help="newest anatomies kept (default 1000)")
-    srv.add_argument("--anatomy-processes", type=integer(1, 64),
-                     help="processes building the served calls' anatomies (default: one per four CPUs, 1 to 4); a "
-                          "busy server finishes more calls than one builds, and drops the oldest unbuilt")
+    srv.add_argument("--anatomy-processes", type=integer(1, 16),
+                     help="processes building the served calls' anatomies, 1 to 16 (default: one per four CPUs, up "
+                          "to 4; each holds about 0.5 GB); a busy server finishes more calls than one builds, and "
+                          "drops the oldest unbuilt")
     srv.add_argument("--max-body-bytes", type=integer(1), default=4 << 20,
                      help="request body limit in bytes (default 4194304, 4.19 MB)")
     srv.add_argument("--drain-timeout", type=real(0), default=120.0,

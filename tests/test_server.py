@@ -585,7 +585,7 @@ def test_tools_reach_the_template(server):
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
     (["--keep-anatomies", "0"], "--keep-anatomies must be >= 1"),
     (["--anatomy-processes", "0"], "--anatomy-processes must be >= 1"),
-    (["--anatomy-processes", "65"], "--anatomy-processes must be <= 64"),
+    (["--anatomy-processes", "17"], "--anatomy-processes must be <= 16"),
     (["--anatomy-processes", "two"], "--anatomy-processes must be an integer"),
     (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
     (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be >= 1"),
