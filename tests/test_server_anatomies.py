@@ -234,6 +234,17 @@ def test_several_builders_take_calls_in_turn_each_with_its_process_and_share_of_
     assert 1 <= default_builders() <= 4
 
 
+def test_default_builders_one_per_four_cpus_up_to_four(monkeypatch):
+    import os
+
+    for cpus, expected in ((1, 1), (2, 1), (8, 2), (16, 4), (128, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)), raising=False)
+        assert default_builders() == expected
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # as on macOS
+    monkeypatch.setattr(os, "cpu_count", lambda: 12)
+    assert default_builders() == 3
+
+
 def test_the_builders_process_dying_loses_its_calls_alone(engine, tmp_path):
     calls = finished_calls(engine, 4)
     store = AnatomyStore(tmp_path, keep=10)

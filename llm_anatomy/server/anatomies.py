@@ -393,7 +393,8 @@ def default_builders() -> int:
     """Anatomy processes for this machine: one per four CPUs this process may run on, from one to four. At
     hundreds of streams a GPU finishes calls faster than one process builds their anatomies (milliseconds of
     Python each); the engine core, the HTTP process and the clients need CPUs too."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)  # macOS
+    return max(1, min(4, len(usable) // 4))
 
 
 class AnatomyBuilders:
