@@ -234,6 +234,25 @@ def test_several_builders_take_calls_in_turn_each_with_its_process_and_share_of_
     assert 1 <= default_builders() <= 4
 
 
+def test_a_builder_started_without_waiting_whose_child_dies_first_gets_ready_with_the_next(engine, tmp_path):
+    """The setup of a restarted child is sent at once by the sending thread, not with a first job that a builder
+    not yet ready would never get."""
+    calls = finished_calls(engine, 1)
+    store = AnatomyStore(tmp_path, keep=10)
+    builder, http = builder_for(engine, store, calls)
+    builder.start(wait=False)
+    try:
+        first = builder._child.process
+        first.kill()  # long before its imports are done
+        wait_for(lambda: builder.restarts == 1 and builder.ready)
+        builder.add(*calls[0])
+        wait_for(lambda: http.calls["call00"].anatomy_built)
+        assert "error" not in http.calls["call00"].anatomy
+    finally:
+        builder.stop()
+        store.close()
+
+
 def test_default_builders_one_per_four_cpus_up_to_four(monkeypatch):
     import os
 

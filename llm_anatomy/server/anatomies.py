@@ -62,12 +62,15 @@ class Child:
         their_outbox.close()
         self.sent_steps: set[int] = set()  # the step snapshots it holds
         self._sent_heap: list[int] = []  # the same indices, oldest first (both under the builder's lock)
-        self.setup: Setup | None = setup  # sent (by the sending thread: it waits for the child's start) with its
-        # first job
+        # sent by the sending thread as soon as it sees this child (the send waits until the child, its imports
+        # done, reads it), or by AnatomyBuilder.start when it waits for the child
+        self.setup: Setup | None = setup
+
     def send_setup(self) -> None:
-        if self.setup is not None:
-            self.inbox.send(self.setup)
-            self.setup = None
+        """Once (an OSError: the child died; it is not sent again)."""
+        setup, self.setup = self.setup, None
+        if setup is not None:
+            self.inbox.send(setup)
 
     def hold(self, snapshots, keep_from: int) -> None:
         """The child now holds these snapshots and forgets those before keep_from. The oldest go first: with
@@ -209,7 +212,8 @@ class AnatomyBuilder:
                 fresh, self._fresh = self._fresh, []
                 dropped, self._dropped = self._dropped, []
                 item = self._pick()
-                if fresh or dropped or item is not None:
+                setup_due = self._child is not None and self._child.setup is not None  # a new child, not ready
+                if fresh or dropped or item is not None or setup_due:
                     return fresh, dropped, item, False
                 if self._stopping and not self._waiting:
                     return [], [], None, True
@@ -218,17 +222,17 @@ class AnatomyBuilder:
     def _send_loop(self) -> None:
         if self.engine.device.type == "cuda":  # reading the steps' device events
             torch.cuda.set_device(self.engine.device)
-        with self._lock:
-            child = self._child
-        try:
-            if child is not None:
-                child.send_setup()  # a no-op if start() sent it
-        except OSError:  # it died before reading it: the receiving thread starts another
-            pass
         while True:
             fresh, dropped, item, stop = self._next()
             if stop:
                 break
+            with self._lock:
+                child = self._child
+            try:
+                if child is not None:
+                    child.send_setup()  # a child started without waiting, or restarted: it says "ready" after it
+            except OSError:  # it died first: the receiving thread starts another
+                pass
             if fresh:
                 self._metrics(fresh)
             for old in dropped:
