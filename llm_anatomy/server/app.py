@@ -94,8 +94,9 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
         raise TypeError(f"engine must be an EngineSpec or an Engine, got {type(engine).__name__}")
     keys = tuple(api_keys) + ((api_key,) if api_key else ())
     run_dir = Path(run_dir).expanduser()
-    options = CoreOptions(ceilings, calibrate, device_why, telemetry_hz, keep_anatomies, anatomy_processes,
-                          stream_interval)
+    options = CoreOptions(ceilings=ceilings, calibrate=calibrate, device_why=device_why, telemetry_hz=telemetry_hz,
+                          keep_anatomies=keep_anatomies, anatomy_processes=anatomy_processes,
+                          stream_interval=stream_interval)
     store = AnatomyStore(run_dir, keep_anatomies)
     metrics = Metrics(model_names[0])
     if isinstance(engine, EngineSpec):
