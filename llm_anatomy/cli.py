@@ -47,9 +47,18 @@ def _add_model_args(p: argparse.ArgumentParser, kv_default: str) -> None:
                    help="fp8: the linear layers' weights quantized to float8 e4m3 at load, a scale per output channel "
                         "(W8A8 prefill, fp8-weight decode GEMVs); default: the checkpoint's own precision (an fp8 "
                         "checkpoint runs as published)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization fp8: lm_head's weights in fp8 too, a scale per output channel (half "
+                        "its bytes a decode step; off by default, as in vLLM: measure the drift with "
+                        "`llm-anatomy compare --quantization fp8 --quantize-lm-head`)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="what the KV cache stores: auto (the model's dtype) or fp8 (= fp8_e4m3: half the bytes a "
                         "token, twice the tokens in the same memory)")
+
+
+def _check_precision(args) -> None:
+    if args.quantize_lm_head and args.quantization != "fp8":
+        raise AnatomyError("--quantize-lm-head quantizes lm_head with the linear layers: add --quantization fp8")
 
 
 def _add_no_calibrate(p: argparse.ArgumentParser) -> None:
@@ -214,6 +223,7 @@ def _preflight(args) -> Preflight:
     from .tokenizer import Tokenizer
 
     _distinct_outputs(args, "json", "html", "trace")
+    _check_precision(args)
     messages = _messages(args)
     sampling = _sampling(args)
     device, why = _device_and_why(args.device)
@@ -254,7 +264,8 @@ def cmd_call(args) -> int:
         # One request: batch-1 graphs, and prefill graphs no longer than its prompt (start-up compiles no more)
         engine = _load_engine(plan.model, progress, device=plan.device, dtype=args.dtype, weights=args.weights,
                               kv_cache_tokens=plan.kv_cache_tokens, quantization=args.quantization,
-                              kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=1,
+                              quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
+                              max_num_seqs=1,
                               prefill_graph_tokens=plan.prompt_tokens)
         ceilings, note = _ceilings(plan.device, args.no_calibrate, progress)
         settle_heap()
@@ -359,6 +370,7 @@ def _serve_preflight(args, model: str) -> str:
     from .hub import resolve
     from .models.config import ModelConfig, parse_dtype
 
+    _check_precision(args)
     if args.dtype is not None:
         parse_dtype(args.dtype)
     source = resolve(model)
@@ -393,7 +405,8 @@ def cmd_serve(args) -> int:
                          kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          mixed_steps=args.mixed_steps, quantization=args.quantization,
-                         kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
+                         quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
+                         gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
     builders = args.anatomy_processes or default_builders()
     with ProgressLine() as progress:
         server, client = build_server(

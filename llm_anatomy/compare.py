@@ -183,7 +183,7 @@ def engine_figures(engine, timings: tuple) -> EngineFigures:
 
 
 def run(model: str, *, quantization: str | None, kv_cache_dtype: str, max_tokens: int, weights: str = "auto",
-        device=None, dtype=None, seed: int = 0, prompts=PROMPTS) -> Comparison:
+        device=None, dtype=None, seed: int = 0, prompts=PROMPTS, quantize_lm_head: bool = False) -> Comparison:
     """Load both engines (each with a KV pool just large enough), measure, and return the comparison."""
     from .engine.engine import Engine, parse_device
     from .hub import resolve
@@ -198,8 +198,8 @@ def run(model: str, *, quantization: str | None, kv_cache_dtype: str, max_tokens
     longest = max(len(ids) for _, ids in rendered) + max_tokens
     common = dict(device=device, dtype=dtype, weights=weights, seed=seed, kv_cache_tokens=longest,
                   max_model_len=longest, max_num_seqs=1)
-    asked = {k: v for k, v in (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype))
-             if v not in (None, "auto")}
+    asked = {k: v for k, v in (("quantization", quantization), ("quantize_lm_head", quantize_lm_head),
+                               ("kv_cache_dtype", kv_cache_dtype)) if v not in (None, "auto", False)}
     _say("loading the baseline engine")
     baseline = Engine.from_pretrained(model, **common)
     _say(f"loading the engine with {', '.join(f'{k}={v}' for k, v in asked.items())}")
@@ -257,6 +257,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("model_name", nargs="?", metavar="MODEL",
                    help="hub id, preset or checkpoint dir (default: Qwen/Qwen3-8B on a CUDA GPU, Qwen/Qwen3-0.6B without)")
     p.add_argument("--quantization", help="fp8: linear layers' weights in fp8 e4m3, quantized at load (vLLM's name)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization fp8: lm_head's weights in fp8 too (per output channel)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (vLLM's name)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens of each greedy continuation (default 64)")
     p.add_argument("--weights", default="auto", help="auto (real if found locally, else synthetic), synthetic, or DIR")
@@ -275,6 +277,8 @@ def check_args(args) -> None:
     if args.quantization is not None and args.quantization not in SUPPORTED_QUANTIZATION:
         raise AnatomyError(f"--quantization {args.quantization!r} is not supported; use "
                            f"{' or '.join(SUPPORTED_QUANTIZATION)}")
+    if args.quantize_lm_head and args.quantization != "fp8":
+        raise AnatomyError("--quantize-lm-head quantizes lm_head with the linear layers: add --quantization fp8")
     if args.kv_cache_dtype not in ("auto", "fp8"):
         raise AnatomyError(f"--kv-cache-dtype {args.kv_cache_dtype!r} is not supported; use auto or fp8")
     if args.quantization is None and args.kv_cache_dtype == "auto":
@@ -291,7 +295,8 @@ def cmd_compare(args) -> int:
     check_args(args)
     device = parse_device(args.device)
     model = args.model_name or ("Qwen/Qwen3-8B" if device.type == "cuda" else "Qwen/Qwen3-0.6B")
-    comparison = run(model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+    comparison = run(model, quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                     kv_cache_dtype=args.kv_cache_dtype,
                      max_tokens=args.max_tokens, weights=args.weights, device=device, dtype=args.dtype, seed=args.seed)
     print(render(comparison))
     if args.json is not None:

@@ -82,6 +82,8 @@ def parse(argv):
     (["--quantization", "int4"], "--quantization 'int4' is not supported; use fp8"),
     (["--kv-cache-dtype", "fp16"], "--kv-cache-dtype 'fp16' is not supported; use auto or fp8"),
     ([], "nothing to compare: give --quantization fp8 and/or --kv-cache-dtype fp8"),
+    (["--quantize-lm-head", "--kv-cache-dtype", "fp8"], "--quantize-lm-head quantizes lm_head with the linear "
+                                                         "layers: add --quantization fp8"),
     (["--quantization", "fp8", "--max-tokens", "0"], "--max-tokens must be in 1..4096, got 0"),
     (["--quantization", "fp8", "--max-tokens", "5000"], "--max-tokens must be in 1..4096, got 5000"),
     (["--quantization", "fp8", "--json", "/no/such/dir/out.json"], "directory /no/such/dir does not exist"),

@@ -33,6 +33,8 @@ def test_engine_config_is_frozen_and_exported():
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be a fraction"),
     (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization must be a fraction"),
     (dict(quantization="awq"), "quantization 'awq' is not supported; use one of: fp8"),
+    (dict(quantize_lm_head=True), r"quantize_lm_head needs quantization='fp8'"),
+    (dict(quantize_lm_head="yes", quantization="fp8"), "quantize_lm_head must be True or False, got 'yes'"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype 'int4' is not supported; use one of: auto, fp8, fp8_e4m3"),
     (dict(cuda_graphs="false"), "cuda_graphs must be True or False, got 'false'"),
     (dict(fast_path=1), "fast_path must be True or False or None, got 1"),
@@ -56,7 +58,8 @@ def test_from_pretrained_builds_its_config_and_a_reference_plan_on_the_cpu(save_
     cfg = engine.engine_config
     assert (cfg.model, cfg.device, cfg.dtype, cfg.kv_cache_tokens, cfg.max_num_seqs) == \
         (str(directory), "cpu", "float32", 64, 3)
-    assert engine.plan == dataclasses.replace(REFERENCE_PLAN, weight_dtype="float32", kv_cache_dtype="float32")
+    assert engine.plan == dataclasses.replace(REFERENCE_PLAN, weight_dtype="float32", head_dtype="float32",
+                                              kv_cache_dtype="float32")
     assert engine.graphs is None and engine.describe()["plan"]["kernels"] is False
     same = Engine.from_config(cfg)
     assert same.engine_config == cfg

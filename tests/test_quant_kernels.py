@@ -218,21 +218,23 @@ def _w8a8_operands(x, layer):
 
 # The fp8 KV cache on a GPU only: Triton 3.6's interpreter rounds float32 -> e4m3 wrongly where the mantissa
 # carries into the exponent (tests/test_kv_cache_fp8.py), so its cache would differ from the reference's.
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"] if DEVICE.type == "cuda" else ["auto"])
-def test_fp8_engine_fast_path_equals_its_reference(save_tiny, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,head", [("auto", False), ("auto", True)]
+                         + ([("fp8", False), ("fp8", True)] if DEVICE.type == "cuda" else []))
+def test_fp8_engine_fast_path_equals_its_reference(save_tiny, kv_cache_dtype, head):
     """--quantization fp8 through the whole engine: the fused-kernel path (the fp8 GEMV for decode, the fp8 matmul
     for the prefill; on a GPU with graphs, the streaming GEMV at batch 1) against the PyTorch path over the same
-    dequantized weights."""
+    dequantized weights; with quantize_lm_head, lm_head's product takes the same paths."""
     from llm_anatomy import Engine
 
     directory, _ = save_tiny(hidden_size=512, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
                              head_dim=32, num_hidden_layers=1, initializer_range=0.2)
     kw = dict(device=DEVICE, dtype=torch.float32, kv_cache_tokens=128, block_size=4, max_num_seqs=2,
-              quantization="fp8", kv_cache_dtype=kv_cache_dtype)
+              quantization="fp8", kv_cache_dtype=kv_cache_dtype, quantize_lm_head=head)
     out = {}
     for fast in (True, False):
         engine = Engine.from_pretrained(directory, fast_path=fast, cuda_graphs=fast, **kw)
         assert engine.plan.weight_dtype == "float8_e4m3fn"
+        assert (engine.plan.head_dtype == "float8_e4m3fn") == head
         assert (engine.pool.k.dtype == torch.float8_e4m3fn) == (kv_cache_dtype == "fp8")
         result = engine.generate_many([[5, 9, 2, 7, 1, 3], [8, 8, 1]], temperature=0, max_tokens=4, ignore_eos=True,
                                       logprobs=1)

@@ -277,7 +277,7 @@ def test_fp8_weights_match_their_dequantized_product(n, k, gated, normed, stream
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (12288, 4096, True), (4096, 12288, False),
-                                       (5120, 17408, False)])
+                                       (5120, 17408, False), (151936, 4096, False)])  # the last: an fp8 lm_head
 def test_fp8_tensor_cores_agree_with_the_w8a8_gemv(n, k, gated, streaming):
     """The streaming GEMV on the tensor cores and the 2-16-row W8A8 Triton GEMV take the same quantized operands:
     x quantized per token as quantize_rows does (an x of hostile magnitudes: zeros, a huge value, values

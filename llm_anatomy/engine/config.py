@@ -43,6 +43,9 @@ class EngineConfig:
     dtype: str | None = None  # activations' and unquantized weights' dtype; None: the model's (bfloat16 for Qwen3)
     seed: int = 0  # synthetic weights' seed, and the sampler's default generator
     quantization: str | None = None  # "fp8": linear layers' weights in fp8 e4m3 (W8A8); None: as the checkpoint
+    # lm_head in fp8 too (per output channel, quantized at load): with quantization="fp8" only. Off by default, as in
+    # vLLM: it is the largest single matrix a decode step reads, and the one whose error reaches the logits directly.
+    quantize_lm_head: bool = False
     kv_cache_dtype: str = "auto"
     kv_cache_tokens: int | None = None  # the KV pool's size; None: from free memory (GPU) or 1 GiB (host)
     gpu_memory_utilization: float = 0.9  # the fraction of GPU memory the engine may use, the KV pool taking the rest
@@ -76,6 +79,10 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise AnatomyError(f"quantization {self.quantization!r} is not supported; use one of: "
                                f"{', '.join(QUANTIZATIONS)} (or leave it unset for the checkpoint's own precision)")
+        _check_switch("quantize_lm_head", self.quantize_lm_head)
+        if self.quantize_lm_head and self.quantization != "fp8":
+            raise AnatomyError("quantize_lm_head needs quantization='fp8' (--quantization fp8): the lm_head is "
+                               "quantized with the linear layers")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise AnatomyError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of: "
                                f"{', '.join(KV_CACHE_DTYPES)}")

@@ -17,7 +17,8 @@ from ..errors import AnatomyError, RequestError, WeightsError
 from ..hub import ModelSource, presets, read_json, resolve
 from ..models.attention import AttentionBatch
 from ..models.config import ModelConfig, dtype_name, parse_dtype
-from ..models.loader import WeightsInfo, build_model, has_checkpoint, init_synthetic, load_checkpoint
+from ..models.loader import (WeightsInfo, build_model, has_checkpoint, init_synthetic, load_checkpoint,
+                             quantize_loaded_head)
 from ..prompt import render_prompt
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
@@ -196,7 +197,7 @@ class Engine:
         self.max_num_seqs = cfg.max_num_seqs
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_fp8 else dtype  # what the KV pool stores
         self.plan = choose_plan(cfg, device, dtype_name(model.model.layers[0].self_attn.qkv_proj.weight.dtype),
-                                dtype_name(self.kv_dtype))
+                                dtype_name(self.kv_dtype), dtype_name(model.lm_head.weight.dtype))
         progress("sizing the KV cache")
         blocks = self._kv_blocks(cfg.kv_cache_tokens, cfg.gpu_memory_utilization)
         self.pool = KVCachePool(config, blocks, cfg.block_size, self.kv_dtype, device)
@@ -290,6 +291,9 @@ class Engine:
                             "run again, or pass --weights DIR.", source.name, source.name)
             progress("initialising synthetic weights")
             info = init_synthetic(model, cfg.seed)
+        if cfg.quantize_lm_head:
+            progress("quantizing lm_head to fp8")
+            info = quantize_loaded_head(model, info)
         engine = cls(model, config, tokenizer, source, info, cfg, device, dtype,
                      GenerationDefaults.for_source(source, config), progress)
         engine.startup_seconds = time.perf_counter() - start

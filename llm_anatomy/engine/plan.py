@@ -76,6 +76,7 @@ class ExecutionPlan:
     gemv_tiles: Mapping = field(default_factory=lambda: MappingProxyType({}))  # tile_key -> Tile (tuning.py)
     decode_attention: DecodeAttentionPlan = DecodeAttentionPlan()
     weight_dtype: str = "bfloat16"  # the linear layers' weights: the model dtype, or "float8_e4m3fn"
+    head_dtype: str = "bfloat16"  # lm_head's weights: the model dtype, or "float8_e4m3fn" (quantize_lm_head)
     kv_cache_dtype: str = "bfloat16"  # what the KV pool stores
 
     def eager(self) -> "ExecutionPlan":
@@ -106,12 +107,13 @@ class ExecutionPlan:
                 "stream_gemv": self.stream_gemv, "norm_in_gemv": self.norm_in_gemv,
                 "residual_in_gemm": self.residual_in_gemm, "lookahead": self.lookahead,
                 "cuda_gated_quant": self.cuda_gated_quant,
-                "weight_dtype": self.weight_dtype, "kv_cache_dtype": self.kv_cache_dtype,
+                "weight_dtype": self.weight_dtype, "head_dtype": self.head_dtype, "kv_cache_dtype": self.kv_cache_dtype,
                 "gemv_tiles": {"x".join(map(str, k)): str(t) for k, t in self.gemv_tiles.items()},
                 "decode_attention": vars(self.decode_attention).copy()}
 
 
-def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, kv_cache_dtype: str) -> ExecutionPlan:
+def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, kv_cache_dtype: str,
+                head_dtype: str = "bfloat16") -> ExecutionPlan:
     """The plan this device can run for this config (before the GEMV tiles are tuned). A feature the config
     asks for stays off where the device cannot do it (PDL before Hopper, no NVRTC for the streaming GEMV)."""
     cuda = device.type == "cuda"
@@ -143,7 +145,8 @@ def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, k
                          residual_in_gemm=kernels, lookahead=cuda if config.lookahead is None else config.lookahead,
                          cuda_gated_quant=cuda_gated_quant,
                          decode_attention=DecodeAttentionPlan(fp8_cuda=fp8_cuda),
-                         weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)
+                         weight_dtype=weight_dtype, head_dtype=head_dtype,
+                         kv_cache_dtype=kv_cache_dtype)
 
 
 REFERENCE_PLAN = ExecutionPlan()  # the PyTorch path, everything off

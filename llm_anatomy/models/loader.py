@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import WeightsError
 from .config import ModelConfig, resolve_quantization
-from .quant import FP8, Fp8Linear, precision_label, quantize, quantize_linear_layers
+from .quant import FP8, Fp8Linear, precision_label, quantize, quantize_head, quantize_linear_layers
 from .qwen3 import PACKED_MODULES, Qwen3ForCausalLM, RotaryEmbedding, packed_shards
 
 # Tensors some checkpoints carry that the network recomputes; skipped, not an error.
@@ -264,6 +264,19 @@ def init_synthetic(model: Qwen3ForCausalLM, seed: int = 0) -> WeightsInfo:
         torch.cuda.synchronize()
     return WeightsInfo("synthetic", f"synthetic (seed {seed})", seed, count_parameters(model), weight_bytes(model),
                        time.perf_counter() - start, quantization=precision_label(model))
+
+
+@torch.no_grad()
+def quantize_loaded_head(model: Qwen3ForCausalLM, info: WeightsInfo) -> WeightsInfo:
+    """lm_head quantized to fp8 per output channel once its weights are in (quant.quantize_head), and the weights'
+    record with it: their bytes (a tied head's fp8 copy on top of the embedding), the precision in words and the
+    load time (the quantization counted in). The parameter count stays the model's."""
+    start = time.perf_counter()
+    quantize_head(model)
+    if model.lm_head.weight.device.type == "cuda":
+        torch.cuda.synchronize()
+    return replace(info, bytes=weight_bytes(model), quantization=precision_label(model),
+                   load_seconds=info.load_seconds + time.perf_counter() - start)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -269,6 +269,26 @@ def quantize_linear_layers(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKI
     return swapped
 
 
+@torch.no_grad()
+def quantize_head(model: nn.Module, rows: int = 8192) -> None:
+    """Swap lm_head for an Fp8Linear holding its weights quantized per output channel (EngineConfig's
+    quantize_lm_head), `rows` rows at a time: the float32 temporaries of the whole head (Qwen3-8B's: 2.5 GB each)
+    would stay in the caching allocator and shrink the KV pool sized after. Per channel, a slice's scales are the
+    whole matrix's. A tied head gets its own fp8 copy; the embedding keeps the float one."""
+    head = model.lm_head
+    if not isinstance(head, nn.Linear) or head.weight.dtype == FP8:
+        raise UnsupportedModelError("lm_head is already quantized; quantize_lm_head quantizes a float lm_head")
+    fp8 = Fp8Linear(head.in_features, head.out_features, head.bias is not None, dtype=head.weight.dtype,
+                    device=head.weight.device)
+    for start in range(0, head.out_features, rows):
+        q, scale = quantize(head.weight[start:start + rows])
+        fp8.weight[start:start + rows].copy_(q)
+        fp8.weight_scale[start:start + rows].copy_(scale)
+    if head.bias is not None:
+        fp8.bias.copy_(head.bias)
+    model.lm_head = fp8
+
+
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of the linear layers' weights (the decoder layers' projections and lm_head), biases and scales
     included: what --quantization fp8 roughly halves."""
@@ -283,11 +303,16 @@ def linear_weight_bytes(model: nn.Module) -> int:
 
 def precision_label(model: nn.Module) -> str | None:
     """The fp8 layers in words, for the report; None where every layer runs in the model dtype."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    head = model.lm_head if isinstance(getattr(model, "lm_head", None), Fp8Linear) else None
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m is not head]
     if not layers:
         return None
     scales = sorted({"per-channel" if m.block is None else f"{m.block[0]}x{m.block[1]} block" for m in layers})
     stored = {m.stored_as is not None for m in layers}
     origin = "as the checkpoint stores them" if stored == {True} else "quantized at load"
+    if head is None:
+        return (f"fp8 e4m3 weights with {' and '.join(scales)} float32 scales ({origin}) in {len(layers)} linear "
+                f"layers; the embedding, the norms and lm_head in the model dtype")
     return (f"fp8 e4m3 weights with {' and '.join(scales)} float32 scales ({origin}) in {len(layers)} linear "
-            f"layers; the embedding, the norms and lm_head in the model dtype")
+            f"layers, and lm_head's with per-channel scales (quantized at load); the embedding and the norms in "
+            f"the model dtype")

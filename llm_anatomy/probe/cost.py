@@ -90,9 +90,12 @@ class KernelShapes:
     # partials (head_dim + 2 values) that the merge reads back.
     attention: DecodeAttentionPlan = DecodeAttentionPlan()
     # The precision the engine runs (its plan): bytes of a decoder layer's linear weight element (1 for fp8, with a
-    # float32 scale per output row) and of a KV cache element; 0: the activations' dtype. lm_head stays in it.
+    # float32 scale per output row) and of a KV cache element; 0: the activations' dtype.
     weight_size: int = 0
     weight_row_scale_bytes: int = 0
+    # lm_head's weight element (1: fp8 with a float32 scale per row, the engine's quantize_lm_head); 0: the
+    # activations' dtype
+    head_size: int = 0
     kv_size: int = 0
     # W8A8 (fp8 weights with a scale per row, bf16 activations, on Hopper or later): from 2 rows (batch 1 streams bf16 rows,
     # kernels/stream_gemv.py) the products read their input as fp8 rows, a byte an element and a float32 scale a
@@ -127,12 +130,15 @@ def layer_norm_params(c: ModelConfig) -> int:
     return 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
 
 
-def weight_bytes_per_step(c: ModelConfig, dtype: torch.dtype) -> dict[str, float]:
-    """Weights every step must read: the layers, the final norm and the lm_head (a tied head too)."""
+def weight_bytes_per_step(c: ModelConfig, dtype: torch.dtype, shapes: KernelShapes = DEFAULT_SHAPES
+                          ) -> dict[str, float]:
+    """Weights every step must read: the layers in `dtype`, the final norm and the lm_head (a tied head too), the
+    head at shapes.head_size (fp8: with a float32 scale per row)."""
     size = dtype.itemsize
+    head = c.vocab_size * c.hidden_size * (shapes.head_size or size) + (c.vocab_size * 4 if shapes.head_size else 0)
     return {
         "layers": c.num_hidden_layers * (layer_linear_params(c) + layer_norm_params(c)) * size,
-        "lm_head": (c.vocab_size * c.hidden_size + c.hidden_size) * size,
+        "lm_head": head + c.hidden_size * size,
     }
 
 
@@ -234,6 +240,10 @@ def _step(c: ModelConfig, dtype: torch.dtype, tokens: int, sampled: int, attenti
     s, h = dtype.itemsize, c.hidden_size
     layer = _layers(c, dtype, tokens, shapes)
     final_norm = (2 if tokens <= shapes.gemv_max_rows or shapes.weight_size else 1) * tokens * h * s
+    # An fp8 lm_head's W8A8 product over more than one row quantizes them first (a read of the bf16 rows), then
+    # reads them as fp8 rows with a float32 scale each; one row is the streaming GEMV's, which reads it in bf16.
+    head_w8a8 = shapes.head_size and shapes.w8a8 and s == 2 and sampled > 1
+    head_input = sampled * (h + 4) if head_w8a8 else sampled * h * s
     return _make({
         "linear": {"flops": 2 * tokens * c.num_hidden_layers * layer_linear_params(c), "bytes": layer["linear"]},
         "linear_inputs": {"bytes": layer["linear_inputs"]},
@@ -243,11 +253,11 @@ def _step(c: ModelConfig, dtype: torch.dtype, tokens: int, sampled: int, attenti
         "rope": {"bytes": layer["rope"]},
         "norm": {"bytes": layer["norm"] + final_norm},
         "activation": {"bytes": layer["activation"]},
-        "quantize": {"bytes": layer["quantize"]},
+        "quantize": {"bytes": layer["quantize"] + (sampled * h * s if head_w8a8 else 0)},
         "bias": {"bytes": layer["bias"]},
         "embedding": {"bytes": tokens * h * s},
         "lm_head": {"flops": 2 * sampled * h * c.vocab_size,
-                    "bytes": weight_bytes_per_step(c, dtype)["lm_head"] + sampled * h * s},
+                    "bytes": weight_bytes_per_step(c, dtype, shapes)["lm_head"] + head_input},
         "logits": {"bytes": sampled * c.vocab_size * s},  # written then read by sampling: once
     })
 
@@ -295,6 +305,7 @@ def device_shapes(device: torch.device, plan=None) -> KernelShapes:
     if plan is not None:
         fp8_weights = plan.weight_dtype == "float8_e4m3fn"
         shapes = replace(shapes, attention=plan.decode_attention, weight_size=1 if fp8_weights else 0,
+                         head_size=1 if plan.head_dtype == "float8_e4m3fn" else 0,
                          weight_row_scale_bytes=4 if fp8_weights else 0, w8a8=fp8_weights and w8a8_device(device),
                          kv_size=1 if plan.kv_cache_dtype == "float8_e4m3fn" else 0)
     return shapes
