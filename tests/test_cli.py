@@ -489,3 +489,31 @@ def test_the_host_census_speaks_of_host_memory():
     text = console.export_text()
     census_text = text[text.index("Memory census"):text.index("activation peak")]
     assert "CUDA" not in census_text and "rest of this process" in census_text and "available" in census_text
+
+
+def test_quantize_lm_head_reaches_the_engine_of_call_and_serve(capsys, checkpoint, monkeypatch):
+    """--quantize-lm-head is not accepted and dropped: call's engine and serve's engine spec get it."""
+    import llm_anatomy.server.app
+    from llm_anatomy.engine.engine import Engine
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def engine(cls, model, **settings):
+        seen["call"] = settings
+        raise Stop
+
+    def server(spec, **kwargs):
+        seen["serve"] = dict(spec.settings)
+        raise Stop
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(engine))
+    monkeypatch.setattr(llm_anatomy.server.app, "build_server", server)
+    for argv in (["call", "hi", "--model", checkpoint, "--device", "cpu", "--no-calibrate"],
+                 ["serve", checkpoint, "--device", "cpu", "--no-calibrate"]):
+        with pytest.raises(Stop):
+            main([str(a) for a in argv] + ["--quantization", "fp8", "--quantize-lm-head"])
+    assert seen["call"]["quantization"] == "fp8" and seen["call"]["quantize_lm_head"] is True
+    assert seen["serve"]["quantization"] == "fp8" and seen["serve"]["quantize_lm_head"] is True
