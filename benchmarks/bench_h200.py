@@ -496,8 +496,8 @@ def offline_throughput(engine, sequences: int, prompt_tokens: int, output_tokens
 
 def section_precision(ctx) -> dict:
     """bf16 beside fp8 (weights quantized at load, per output channel; with the fp8 KV cache; with lm_head in fp8
-    too), one engine each in turn: batch-1 TPOT at 512 and at 32k context, a decode step of 8 sequences at 512, prefill of 8192 tokens back to back, offline throughput of 512
-    sequences of 128 prompt / 128 output tokens."""
+    too), one engine each in turn: batch-1 TPOT at 512 and at 32k context, a decode step of 8 sequences at 512,
+    prefill of 8192 tokens back to back, offline throughput of 512 sequences of 128 prompt / 128 output tokens."""
     out = {}
     for name, settings in (("bf16", {}), ("fp8_weights", {"quantization": "fp8"}),
                            ("fp8_weights_kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
