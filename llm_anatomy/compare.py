@@ -1,7 +1,8 @@
 """`llm-anatomy compare`: what quantization costs in accuracy and buys in speed and memory, measured, not assumed.
 
-A fixed prompt set (PROMPTS) goes through two engines in one process: the baseline (the checkpoint as it is) and the
-quantized one (--quantization, --kv-cache-dtype), both greedy:
+A fixed prompt set (PROMPTS) goes through two engines in one process: the baseline (the checkpoint as it is, or
+with --baseline-quantization fp8 its linear layers in fp8, so that what lm_head or the KV cache adds is measured
+alone) and the quantized one (--quantization, --quantize-lm-head, --kv-cache-dtype), both greedy:
 - greedy agreement: each engine continues each prompt for N tokens; the figure is how many tokens come before the
   first difference (N where none);
 - teacher forcing: the baseline's continuation is fed to both engines, token by token through their own prefill and
@@ -183,7 +184,8 @@ def engine_figures(engine, timings: tuple) -> EngineFigures:
 
 
 def run(model: str, *, quantization: str | None, kv_cache_dtype: str, max_tokens: int, weights: str = "auto",
-        device=None, dtype=None, seed: int = 0, prompts=PROMPTS, quantize_lm_head: bool = False) -> Comparison:
+        device=None, dtype=None, seed: int = 0, prompts=PROMPTS, quantize_lm_head: bool = False,
+        baseline_quantization: str | None = None) -> Comparison:
     """Load both engines (each with a KV pool just large enough), measure, and return the comparison."""
     from .engine.engine import Engine, parse_device
     from .hub import resolve
@@ -200,8 +202,9 @@ def run(model: str, *, quantization: str | None, kv_cache_dtype: str, max_tokens
                   max_model_len=longest, max_num_seqs=1)
     asked = {k: v for k, v in (("quantization", quantization), ("quantize_lm_head", quantize_lm_head),
                                ("kv_cache_dtype", kv_cache_dtype)) if v not in (None, "auto", False)}
-    _say("loading the baseline engine")
-    baseline = Engine.from_pretrained(model, **common)
+    base = {"quantization": baseline_quantization} if baseline_quantization is not None else {}
+    _say("loading the baseline engine" + (f" with quantization={baseline_quantization}" if base else ""))
+    baseline = Engine.from_pretrained(model, **common, **base)
     _say(f"loading the engine with {', '.join(f'{k}={v}' for k, v in asked.items())}")
     quantized = Engine.from_pretrained(model, **common, **asked)
     drifts, timings = compare_engines(baseline, quantized, rendered, max_tokens,
@@ -260,6 +263,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization fp8: lm_head's weights in fp8 too (per output channel)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (vLLM's name)")
+    p.add_argument("--baseline-quantization",
+                   help="fp8: the baseline's linear layers in fp8 too, so that --quantize-lm-head and/or "
+                        "--kv-cache-dtype fp8 are measured alone (default: the checkpoint as it is)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens of each greedy continuation (default 64)")
     p.add_argument("--weights", default="auto", help="auto (real if found locally, else synthetic), synthetic, or DIR")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if there is one)")
@@ -283,6 +289,15 @@ def check_args(args) -> None:
         raise AnatomyError(f"--kv-cache-dtype {args.kv_cache_dtype!r} is not supported; use auto or fp8")
     if args.quantization is None and args.kv_cache_dtype == "auto":
         raise AnatomyError("nothing to compare: give --quantization fp8 and/or --kv-cache-dtype fp8")
+    if args.baseline_quantization is not None:
+        if args.baseline_quantization not in SUPPORTED_QUANTIZATION:
+            raise AnatomyError(f"--baseline-quantization {args.baseline_quantization!r} is not supported; use "
+                               f"{' or '.join(SUPPORTED_QUANTIZATION)}")
+        if args.quantization != args.baseline_quantization or not (args.quantize_lm_head
+                                                                    or args.kv_cache_dtype == "fp8"):
+            raise AnatomyError(f"nothing to compare beyond the baseline's --quantization {args.baseline_quantization}: "
+                               f"give --quantization {args.baseline_quantization} with --quantize-lm-head and/or "
+                               f"--kv-cache-dtype fp8")
     if not 1 <= args.max_tokens <= MAX_TOKENS_LIMIT:
         raise AnatomyError(f"--max-tokens must be in 1..{MAX_TOKENS_LIMIT}, got {args.max_tokens}")
     if args.json is not None and not args.json.parent.is_dir():
@@ -296,7 +311,7 @@ def cmd_compare(args) -> int:
     device = parse_device(args.device)
     model = args.model_name or ("Qwen/Qwen3-8B" if device.type == "cuda" else "Qwen/Qwen3-0.6B")
     comparison = run(model, quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-                     kv_cache_dtype=args.kv_cache_dtype,
+                     kv_cache_dtype=args.kv_cache_dtype, baseline_quantization=args.baseline_quantization,
                      max_tokens=args.max_tokens, weights=args.weights, device=device, dtype=args.dtype, seed=args.seed)
     print(render(comparison))
     if args.json is not None:

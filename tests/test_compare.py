@@ -84,6 +84,10 @@ def parse(argv):
     ([], "nothing to compare: give --quantization fp8 and/or --kv-cache-dtype fp8"),
     (["--quantize-lm-head", "--kv-cache-dtype", "fp8"], "--quantize-lm-head quantizes lm_head with the linear "
                                                          "layers: add --quantization fp8"),
+    (["--quantization", "fp8", "--quantize-lm-head", "--baseline-quantization", "int8"],
+     "--baseline-quantization 'int8' is not supported; use fp8"),
+    (["--quantization", "fp8", "--baseline-quantization", "fp8"], "nothing to compare beyond the baseline's"),
+    (["--kv-cache-dtype", "fp8", "--baseline-quantization", "fp8"], "nothing to compare beyond the baseline's"),
     (["--quantization", "fp8", "--max-tokens", "0"], "--max-tokens must be in 1..4096, got 0"),
     (["--quantization", "fp8", "--max-tokens", "5000"], "--max-tokens must be in 1..4096, got 5000"),
     (["--quantization", "fp8", "--json", "/no/such/dir/out.json"], "directory /no/such/dir does not exist"),
@@ -115,3 +119,22 @@ def test_compare_command_end_to_end(save_tiny, tmp_path, capsys, weights):
     assert record["synthetic"] == (weights == "synthetic") == ("not the real model's" in text)
     assert ("note" in record) == (weights == "synthetic")
     assert "KL(baseline || quantized)" in text and "explain" in text
+
+
+def test_against_an_fp8_baseline_the_head_alone_is_measured(save_tiny, tmp_path, capsys):
+    """--baseline-quantization fp8: both engines run fp8 layers, so what differs is lm_head alone: its bytes, and a
+    drift that is smaller than the whole fp8 model's against its float baseline."""
+    directory, _ = save_tiny(initializer_range=0.2, vocab_size=151936)
+    records = {}
+    for name, extra in (("head", ["--baseline-quantization", "fp8"]), ("all", [])):
+        out = tmp_path / f"{name}.json"
+        assert cmd_compare(parse([str(directory), "--quantization", "fp8", "--quantize-lm-head", "--max-tokens", "3",
+                                  "--device", "cpu", "--dtype", "float32", "--json", str(out), *extra])) == 0
+        records[name] = json.loads(out.read_text())
+    b, q = records["head"]["baseline"], records["head"]["quantized"]
+    assert "fp8 e4m3" in b["precision"] and "lm_head in the model dtype" in b["precision"]
+    assert "lm_head's with per-channel scales" in q["precision"]
+    head = 151936 * 64
+    assert b["linear_weight_bytes"] - q["linear_weight_bytes"] == head * 4 - (head + 151936 * 4)  # float32 -> fp8
+    assert 0 < records["head"]["summary"]["kl_mean"] < records["all"]["summary"]["kl_mean"]
+    assert "with quantization=fp8" in capsys.readouterr().err
