@@ -215,3 +215,25 @@ def test_unsupported_method_in_a_checkpoint_is_refused_by_name(tmp_path, save_ti
         "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}))
     with pytest.raises(UnsupportedModelError, match="quantization method 'awq'.* is not supported.*'fp8'"):
         load(directory)
+
+
+def test_a_published_fp8_checkpoint_with_its_lm_head_quantized_at_load(tmp_path):
+    """Qwen's block-fp8 layout as published, with quantize_lm_head: the layers keep the checkpoint's block scales,
+    lm_head is quantized per channel as it loads, and the record says both."""
+    from llm_anatomy.errors import ConfigError
+
+    fp8_dir, _ = write_checkpoints(tmp_path, "qwen-fp8-block")
+    plain, head = load(fp8_dir), load(fp8_dir, quantization="fp8", quantize_lm_head=True)
+    assert isinstance(head.model.lm_head, Fp8Linear) and head.model.lm_head.block is None
+    assert all(m.block == (128, 128) for m in head.model.modules() if isinstance(m, Fp8Linear) and m is not
+               head.model.lm_head)
+    assert head.weights.quantization.startswith("fp8 e4m3 weights with 128x128 block float32 scales (as the "
+                                                "checkpoint stores them)")
+    assert "lm_head's with per-channel scales (quantized at load)" in head.weights.quantization
+    assert plain.weights.bytes - head.weights.bytes == plain.config.vocab_size * 192 * 2 - (
+        plain.config.vocab_size * 192 + plain.config.vocab_size * 4)
+    ids = [5, 77, 300, 12, 9]
+    assert len(head.generate(prompt_token_ids=ids, temperature=0, max_tokens=4, ignore_eos=True).output_token_ids) == 4
+    ct_dir, _ = write_checkpoints(tmp_path / "ct", "ct-channel")
+    with pytest.raises(ConfigError, match="leave quantization unset"):  # vLLM's rule: no --quantization over it
+        load(ct_dir, quantization="fp8", quantize_lm_head=True)
