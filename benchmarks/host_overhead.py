@@ -350,7 +350,7 @@ def core_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
                 cpu.append(used * 1e3)
                 send_cpu.append((sender.cpu_s - s0) * 1e3)
                 sent_bytes.append(sender.bytes - b0)
-    builder = core.builder.builders[0]  # make_core: one
+    builder = core.anatomy_builders.builders[0]  # make_core: one
     finished = [(trace, call) for call, trace, _ in builder._waiting.values()]
     sender("end")
     recv_s = receiver.stop()

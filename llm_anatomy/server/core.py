@@ -262,8 +262,9 @@ class EngineCore:
         self.recorder = Recorder(Clock(engine.device))
         self.open_steps = OpenSteps()
         engine.observers += [self.recorder, self.open_steps]
-        self.builder = AnatomyBuilders(engine, ceilings, send, telemetry, telemetry_note, options.device_why,
-                                       backlog=options.keep_anatomies, processes=options.anatomy_processes)
+        self.anatomy_builders = AnatomyBuilders(engine, ceilings, send, telemetry, telemetry_note,
+                                                options.device_why, backlog=options.keep_anatomies,
+                                                processes=options.anatomy_processes)
         self._calls: dict[str, CoreCall] = {}
         self._outputs: list[tuple] = []  # for the next message
         self._failures: list[tuple] = []
@@ -304,7 +305,7 @@ class EngineCore:
                 continue
             what = item[0]
             if what == "want":
-                self.builder.want(item[1])
+                self.anatomy_builders.want(item[1])
                 continue
             call = CoreCall(**vars(item[1])) if what == "add" else self._calls.get(item[1])
             if call is None:  # an abort for a call already over
@@ -403,7 +404,8 @@ class EngineCore:
                 if not call.done:  # aborted
                     call.done = True
                     self._outputs.append(call.output(seq, len(seq.output_token_ids), seq.finish_reason))
-                self.builder.add(call, trace, self.engine.result(seq, call.prompt_text), self.recorder.oldest_step)
+                self.anatomy_builders.add(call, trace, self.engine.result(seq, call.prompt_text),
+                                          self.recorder.oldest_step)
             except Exception as e:  # noqa: BLE001 - this call's record is lost, nothing else
                 self._fail(call, e, "recording")
 
@@ -450,7 +452,7 @@ def run_core(engine: Engine, options: CoreOptions, inbox, send: Sender, progress
             core = EngineCore(engine, options, ceilings, send, telemetry, note)
             if telemetry is not None:
                 telemetry.start()
-            core.builder.start()
+            core.anatomy_builders.start()
             send(("ready", EngineInfo.of(engine)))  # pickled before a byte is written: a failure sends nothing
         except Exception as e:  # noqa: BLE001 - the HTTP side says it and does not start
             log.exception("the engine core could not start")
@@ -464,11 +466,11 @@ def run_core(engine: Engine, options: CoreOptions, inbox, send: Sender, progress
             log.exception("the engine loop stopped")
             send(("died", f"{type(e).__name__}: {e}"))
             return
-        core.builder.stop()
+        core.anatomy_builders.stop()
         send(("stopped",))
     finally:
         if core is not None:
-            core.builder.stop(timeout=5)  # a no-op after a stop; else its process ends with this one
+            core.anatomy_builders.stop(timeout=5)  # a no-op after a stop; else its process ends with this one
             for observer in (core.recorder, core.open_steps):
                 engine.observers.remove(observer)
         if telemetry is not None:
