@@ -19,16 +19,21 @@ def engine(directory, **settings):
     return Engine.from_pretrained(directory, device="cpu", dtype="bfloat16", kv_cache_tokens=64, **settings)
 
 
-def test_quantize_head_in_slices_equals_the_whole_matrix():
+@pytest.mark.parametrize("block", [None, (16, 32)])
+def test_quantized_in_slices_equals_the_whole_matrix(block):
+    from llm_anatomy.models.config import WeightScheme
+
     torch.manual_seed(0)
-    head = torch.nn.Linear(48, 100, bias=False, dtype=torch.bfloat16)
+    linear = torch.nn.Linear(48, 100, bias=True, dtype=torch.bfloat16)
+    stored_as = WeightScheme("block", "weight_scale_inv", block) if block else None
+    fp8 = Fp8Linear.from_linear(linear, stored_as, rows=7)  # slices that do not divide the rows (whole blocks)
+    q, scale = quantize(linear.weight, block)
+    assert fp8.weight.dtype == FP8 and torch.equal(fp8.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(fp8.weight_scale, scale) and torch.equal(fp8.bias, linear.bias)
     model = torch.nn.Module()
-    model.lm_head = head
-    quantize_head(model, rows=7)  # slices that do not divide the rows
-    q, scale = quantize(head.weight)
-    assert isinstance(model.lm_head, Fp8Linear) and model.lm_head.weight.dtype == FP8
-    assert torch.equal(model.lm_head.weight.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(model.lm_head.weight_scale, scale)
+    model.lm_head = linear
+    quantize_head(model)
+    assert isinstance(model.lm_head, Fp8Linear) and model.lm_head.block is None
     with pytest.raises(UnsupportedModelError, match="lm_head is already quantized"):
         quantize_head(model)
 

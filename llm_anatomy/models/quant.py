@@ -139,17 +139,23 @@ class Fp8Linear(nn.Module):
             if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, stored_as: WeightScheme | None = None) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, stored_as: WeightScheme | None = None,
+                    rows: int = 8192) -> "Fp8Linear":
         """The fp8 twin of a linear layer: empty on the meta device (for the loader to fill), else its weights
-        quantized per output channel."""
+        quantized per output channel (or block), `rows` rows at a time (whole blocks): the float32 temporaries of a
+        whole large matrix (Qwen3-8B's lm_head: 2.5 GB each) would stay in the caching allocator and shrink a KV
+        pool sized after. A slice's scales are the whole matrix's."""
         w = linear.weight
         block = stored_as.block if stored_as is not None and stored_as.scales == "block" else None
         fp8 = cls(linear.in_features, linear.out_features, linear.bias is not None, block, stored_as,
                   dtype=w.dtype, device=w.device)
         if not w.is_meta:
-            q, scale = quantize(w.detach(), block)
-            fp8.weight.data.copy_(q)
-            fp8.weight_scale.copy_(scale)
+            step = rows if block is None else -(-rows // block[0]) * block[0]
+            for start in range(0, linear.out_features, step):
+                q, scale = quantize(w.detach()[start:start + step], block)
+                fp8.weight.data[start:start + step].copy_(q)
+                first = start if block is None else start // block[0]
+                fp8.weight_scale[first:first + scale.shape[0]].copy_(scale)
             if linear.bias is not None:
                 fp8.bias.data.copy_(linear.bias.detach())
         return fp8
@@ -270,23 +276,12 @@ def quantize_linear_layers(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKI
 
 
 @torch.no_grad()
-def quantize_head(model: nn.Module, rows: int = 8192) -> None:
-    """Swap lm_head for an Fp8Linear holding its weights quantized per output channel (EngineConfig's
-    quantize_lm_head), `rows` rows at a time: the float32 temporaries of the whole head (Qwen3-8B's: 2.5 GB each)
-    would stay in the caching allocator and shrink the KV pool sized after. Per channel, a slice's scales are the
-    whole matrix's. A tied head gets its own fp8 copy; the embedding keeps the float one."""
-    head = model.lm_head
-    if not isinstance(head, nn.Linear) or head.weight.dtype == FP8:
+def quantize_head(model: nn.Module) -> None:
+    """Swap lm_head for its fp8 twin, quantized per output channel (EngineConfig's quantize_lm_head). A tied head
+    gets its own fp8 copy; the embedding keeps the float one."""
+    if not isinstance(model.lm_head, nn.Linear):
         raise UnsupportedModelError("lm_head is already quantized; quantize_lm_head quantizes a float lm_head")
-    fp8 = Fp8Linear(head.in_features, head.out_features, head.bias is not None, dtype=head.weight.dtype,
-                    device=head.weight.device)
-    for start in range(0, head.out_features, rows):
-        q, scale = quantize(head.weight[start:start + rows])
-        fp8.weight[start:start + rows].copy_(q)
-        fp8.weight_scale[start:start + rows].copy_(scale)
-    if head.bias is not None:
-        fp8.bias.copy_(head.bias)
-    model.lm_head = fp8
+    model.lm_head = Fp8Linear.from_linear(model.lm_head)
 
 
 def linear_weight_bytes(model: nn.Module) -> int:
