@@ -56,9 +56,11 @@ def _add_model_args(p: argparse.ArgumentParser, kv_default: str) -> None:
                         "token, twice the tokens in the same memory)")
 
 
-def _check_precision(args) -> None:
-    if args.quantize_lm_head and args.quantization != "fp8":
-        raise AnatomyError("--quantize-lm-head quantizes lm_head with the linear layers: add --quantization fp8")
+def check_precision(args) -> None:
+    """The precision flags together, before anything loads, by the rule the engine's config keeps."""
+    from .engine.config import EngineConfig
+
+    EngineConfig(quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
 
 
 def _add_no_calibrate(p: argparse.ArgumentParser) -> None:
@@ -223,7 +225,7 @@ def _preflight(args) -> Preflight:
     from .tokenizer import Tokenizer
 
     _distinct_outputs(args, "json", "html", "trace")
-    _check_precision(args)
+    check_precision(args)
     messages = _messages(args)
     sampling = _sampling(args)
     device, why = _device_and_why(args.device)
@@ -370,7 +372,7 @@ def _serve_preflight(args, model: str) -> str:
     from .hub import resolve
     from .models.config import ModelConfig, parse_dtype
 
-    _check_precision(args)
+    check_precision(args)
     if args.dtype is not None:
         parse_dtype(args.dtype)
     source = resolve(model)

@@ -278,13 +278,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Every flag checked before any weights load."""
+    from .cli import check_precision
     from .models.config import SUPPORTED_QUANTIZATION
 
     if args.quantization is not None and args.quantization not in SUPPORTED_QUANTIZATION:
         raise AnatomyError(f"--quantization {args.quantization!r} is not supported; use "
                            f"{' or '.join(SUPPORTED_QUANTIZATION)}")
-    if args.quantize_lm_head and args.quantization != "fp8":
-        raise AnatomyError("--quantize-lm-head quantizes lm_head with the linear layers: add --quantization fp8")
+    check_precision(args)
     if args.kv_cache_dtype not in ("auto", "fp8"):
         raise AnatomyError(f"--kv-cache-dtype {args.kv_cache_dtype!r} is not supported; use auto or fp8")
     if args.quantization is None and args.kv_cache_dtype == "auto":

@@ -99,8 +99,8 @@ def unwritable_dir(tmp_path) -> Path:
     (["call", "hi", "--top-p", "0"], "--top-p must be in (0, 1], got 0"),
     (["call", "hi", "--quantization", "gptq"], "invalid choice: 'gptq'"),
     (["call", "hi", "--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
-    (["call", "hi", "--quantize-lm-head"], "--quantize-lm-head quantizes lm_head with the linear layers: add "
-                                           "--quantization fp8"),
+    (["call", "hi", "--quantize-lm-head"], "quantize_lm_head (--quantize-lm-head) needs quantization='fp8' "
+                                           "(--quantization fp8)"),
     (["call", "hi", "--quantize-lm-head", "yes"], "unrecognized arguments: yes"),
     (["call", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     (["call", "hi", "--top-k", "-2"], "--top-k must be >= -1, got -2"),
@@ -199,8 +199,8 @@ def test_bad_calls_are_refused_before_the_weights_load(capsys, checkpoint, no_lo
     (["--stream-interval", "0"], "--stream-interval must be >= 1"),
     (["--quantization", "awq"], "invalid choice: 'awq'"),
     (["--kv-cache-dtype", "int4"], "invalid choice: 'int4'"),
-    (["--quantize-lm-head", "--kv-cache-dtype", "fp8"], "--quantize-lm-head quantizes lm_head with the linear "
-                                                         "layers: add --quantization fp8"),
+    (["--quantize-lm-head", "--kv-cache-dtype", "fp8"], "quantize_lm_head (--quantize-lm-head) needs "
+                                                         "quantization='fp8'"),
     (["--log-level", "loud"], "invalid choice: 'loud'"),
 ])
 def test_bad_serve_flags_are_refused_while_parsing(capsys, no_config_read, argv, message):

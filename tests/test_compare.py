@@ -82,8 +82,8 @@ def parse(argv):
     (["--quantization", "int4"], "--quantization 'int4' is not supported; use fp8"),
     (["--kv-cache-dtype", "fp16"], "--kv-cache-dtype 'fp16' is not supported; use auto or fp8"),
     ([], "nothing to compare: give --quantization fp8 and/or --kv-cache-dtype fp8"),
-    (["--quantize-lm-head", "--kv-cache-dtype", "fp8"], "--quantize-lm-head quantizes lm_head with the linear "
-                                                         "layers: add --quantization fp8"),
+    (["--quantize-lm-head", "--kv-cache-dtype", "fp8"], r"quantize_lm_head \(--quantize-lm-head\) needs "
+                                                         r"quantization='fp8'"),
     (["--quantization", "fp8", "--quantize-lm-head", "--baseline-quantization", "int8"],
      "--baseline-quantization 'int8' is not supported; use fp8"),
     (["--quantization", "fp8", "--baseline-quantization", "fp8"], "nothing to compare beyond the baseline's"),

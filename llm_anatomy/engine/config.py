@@ -81,8 +81,8 @@ class EngineConfig:
                                f"{', '.join(QUANTIZATIONS)} (or leave it unset for the checkpoint's own precision)")
         _check_switch("quantize_lm_head", self.quantize_lm_head)
         if self.quantize_lm_head and self.quantization != "fp8":
-            raise AnatomyError("quantize_lm_head needs quantization='fp8' (--quantization fp8): the lm_head is "
-                               "quantized with the linear layers")
+            raise AnatomyError("quantize_lm_head (--quantize-lm-head) needs quantization='fp8' (--quantization "
+                               "fp8): lm_head is quantized with the linear layers")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise AnatomyError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of: "
                                f"{', '.join(KV_CACHE_DTYPES)}")
