@@ -70,17 +70,18 @@ def tiny_engine(directory: Path, batch: int, prompt_tokens: int, output_tokens: 
     return engine
 
 
-def make_core(engine, send, run_dir: Path):
-    """The server's engine core around `engine`, sending to `send` (its anatomy builder not started: the calls it
-    is handed wait there)."""
+def make_core(engine, inbox, send, run_dir: Path):
+    """The server's engine core around `engine`, one HTTP side reaching it: reading `inbox`, sending to `send` (its
+    anatomy builder not started: the calls it is handed wait there)."""
     from llm_anatomy.anatomy import Ceilings
-    from llm_anatomy.server.core import CoreOptions, EngineCore
+    from llm_anatomy.server.core import CoreOptions, EngineCore, Frontends
 
     ceilings = Ceilings("cpu", read_gbps=20.0, gemv_gbps=15.0, matmul_tflops=0.5, datasheet_gbps=None,
                         datasheet_tflops=None, measured_at="host_overhead")
     run_dir.mkdir(parents=True, exist_ok=True)
     return EngineCore(engine, CoreOptions(ceilings, device_why="host_overhead", telemetry_hz=None,
-                                          keep_anatomies=100_000), ceilings, send, None, "no telemetry")
+                                          keep_anatomies=100_000), ceilings, Frontends([inbox], [send]), None,
+                      "no telemetry")
 
 
 def drop_core(engine, core) -> None:
@@ -258,7 +259,7 @@ def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     client._to_core, client._from_core, client._worker = to_core, from_core, threading.current_thread()
     client.info = EngineInfo.of(engine)
     client._writer.start()
-    core = make_core(engine, Sender(their_outbox), run_dir)
+    core = make_core(engine, their_inbox, Sender(their_outbox), run_dir)
     ctx = ServerContext(client, ServeOptions(("tiny",)), Keys((), load_salt(run_dir)), Drain(60.0), "host-overhead")
     http = HttpStreams(ctx)
     client.attach(http.loop)
@@ -268,7 +269,7 @@ def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     while len(core._calls) < batch:  # each handler parses and tokenizes, then submits
         if http.finished():
             raise RuntimeError(f"the server answered without streaming: {http.protocols[0].transport.head!r}")
-        core._take_inbox(their_inbox, block=False)
+        core._take_inbox(block=False)
         time.sleep(0.001)
     while not http.started():  # each response's head written: what follows is the streams' chunks
         time.sleep(0.001)
@@ -325,9 +326,10 @@ def core_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     from llm_anatomy.server.loop import EngineClient
 
     from_core, their_outbox = multiprocessing.Pipe(duplex=False)
+    their_inbox, _ = multiprocessing.Pipe(duplex=False)  # the calls are added here directly
     sender = TimedSender(their_outbox)
     receiver = Receiver(from_core)
-    core = make_core(engine, sender, run_dir)
+    core = make_core(engine, their_inbox, sender, run_dir)
     front = EngineClient(None, None)  # the HTTP side's prepare, as the handlers run it
     front.info = EngineInfo.of(engine)
     req = request(prompt_tokens, output_tokens)

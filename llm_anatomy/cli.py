@@ -322,6 +322,8 @@ def _write_outputs(anatomy, args) -> None:
 
 # ---- serve -------------------------------------------------------------------------------------------------------
 def add_serve(sub) -> None:
+    from .server.context import MAX_API_SERVERS
+
     srv = sub.add_parser("serve", help="an OpenAI-compatible server; every response carries its own anatomy",
                          description="An OpenAI-compatible server; every response carries its own anatomy.")
     srv.add_argument("model_name", nargs="?", metavar="MODEL", type=nonempty, help="as --model")
@@ -351,12 +353,16 @@ def add_serve(sub) -> None:
                      help="on a GPU, the fraction of its memory to use, in (0, 1], the KV pool taking what the rest "
                           "leaves (default 0.9); or size the pool with --kv-cache-tokens")
     srv.add_argument("--run-dir", type=output_dir, default="~/.cache/llm-anatomy/serve",
-                     help="where anatomies.jsonl is kept across restarts (default ~/.cache/llm-anatomy/serve)")
+                     help="where the anatomies are kept across restarts, in anatomies.db (default "
+                          "~/.cache/llm-anatomy/serve)")
     srv.add_argument("--keep-anatomies", type=integer(1), default=1000, help="newest anatomies kept (default 1000)")
     srv.add_argument("--anatomy-processes", type=integer(1, 16),
                      help="processes building the served calls' anatomies, 1 to 16 (default: one per four CPUs, up "
                           "to 4; each holds about 0.5 GB); a busy server finishes more calls than one builds, and "
                           "drops the oldest unbuilt")
+    srv.add_argument("--api-server-count", type=integer(1, MAX_API_SERVERS), default=1,
+                     help=f"HTTP processes taking requests in on the one port, 1 to {MAX_API_SERVERS} (default 1); at hundreds of "
+                          "streams one process's parsing, tokenizing and streaming keeps the engine waiting")
     srv.add_argument("--max-body-bytes", type=integer(1), default=4 << 20,
                      help="request body limit in bytes (default 4194304, 4.19 MB)")
     srv.add_argument("--drain-timeout", type=real(0), default=120.0,
@@ -416,14 +422,14 @@ def cmd_serve(args) -> int:
             run_dir=args.run_dir, keep_anatomies=args.keep_anatomies, api_keys=keys,
             max_body_bytes=args.max_body_bytes, device_why=why, telemetry_hz=None if args.no_telemetry else 50.0,
             drain_timeout_s=args.drain_timeout, stream_interval=args.stream_interval,
-            anatomy_processes=builders, log_level=args.log_level,
+            anatomy_processes=builders, api_server_count=args.api_server_count, log_level=args.log_level,
             progress=progress.stage)
     settle_heap()
     info = client.info
-    print(f"llm-anatomy: serving {names[0]} ({info.weights_label}) on http://{args.host}:{args.port}/v1 "
+    http = f", {args.api_server_count} HTTP processes" if args.api_server_count > 1 else ""
+    print(f"llm-anatomy: serving {names[0]} ({info.weights_label}) on http://{args.host}:{server.port}/v1{http} "
           f"- KV pool {info.admission.capacity_tokens} tokens, anatomies in {args.run_dir} (built by {builders} "
-          f"process{'es' if builders > 1 else ''})", file=sys.stderr,
-          flush=True)
+          f"process{'es' if builders > 1 else ''})", file=sys.stderr, flush=True)
     serve(server)
     return 0
 

@@ -374,8 +374,9 @@ def test_serve_sweep_gives_a_levels_tok_s_window_by_window(scripts):
 def test_serve_sweep_samples_anatomies_across_the_level_not_its_drain(scripts):
     sweep = scripts("serve_sweep")
     records = list(range(10))
-    assert sweep.sampled(records, 3, held=6) == [4, 6, 9]  # the first and last the store may hold, and between
-    assert sweep.sampled(records, None, held=6) == [4, 5, 6, 7, 8, 9]
+    # the first and last of the nine tenths of `held` the store surely holds, and between
+    assert sweep.sampled(records, 3, held=10) == [1, 5, 9]
+    assert sweep.sampled(records, None, held=7) == [4, 5, 6, 7, 8, 9]
     assert sweep.sampled(records, 20, held=100) == records and sweep.sampled(records, 1, held=6) == [9]
     assert sweep.sampled([], 3, held=6) == []
 
@@ -392,7 +393,7 @@ def test_serve_sweep_samples_the_calls_that_finished_last_not_the_last_streams(s
     monkeypatch.setattr(sweep.httpx, "get", get)
     # two streams of three calls each, stream 0's records first: the two that finished last are "a3" and "b3"
     records = [{"anatomy_id": f"{s}{n}", "end": 10.0 * n + (s == "b")} for s in "ab" for n in (1, 2, 3)]
-    view = sweep.server_view("http://server", records, held=2)
+    view = sweep.server_view("http://server", records, held=3)  # nine tenths of it: the last 2
     assert sorted(asked) == ["a3", "b3"] and view["anatomies"] == 2
 
 

@@ -19,6 +19,7 @@ from conftest import tiny_hf_model
 from llm_anatomy import Engine
 from llm_anatomy.anatomy import Anatomy, Ceilings
 from llm_anatomy.server.app import build_server
+from llm_anatomy.server.core import EngineSpec
 from llm_anatomy.server.responses import before_tool_call, split_tool_calls
 from llm_anatomy.server.store import AnatomyStore
 
@@ -527,7 +528,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(checkpoint, tm
         running.stop()
 
 
-def test_store_keeps_the_newest_and_survives_a_torn_line(tmp_path):
+def test_store_keeps_the_newest_across_restarts(tmp_path):
     from sample_anatomy import sample_anatomy
 
     store = AnatomyStore(tmp_path, keep=4)
@@ -535,19 +536,69 @@ def test_store_keeps_the_newest_and_survives_a_torn_line(tmp_path):
         a = sample_anatomy()
         a.id = f"id{i:02d}"
         store.add(a)
-    assert store.ids() == ["id07", "id08", "id09", "id10"]
+    assert store.ids() == ["id07", "id08", "id09", "id10"] and len(store) == 4
     assert json.loads(store.get("id09"))["id"] == "id09" and store.get("id02", wait_s=0) is None
-    assert sum(1 for _ in open(store.path)) <= 5  # compacted
+    store.expect("pending")  # a server that stops before building it: forgotten at the next start
     store.close()
-    with open(store.path, "ab") as f:
-        f.write(b'{"id": "torn", "model"')  # a crash mid-write
     again = AnatomyStore(tmp_path, keep=4)
-    assert again.ids() == ["id07", "id08", "id09", "id10"]
+    assert again.ids() == ["id07", "id08", "id09", "id10"] and again.owner_of("pending") == (False, None)
     a = sample_anatomy()
     a.id = "after"
     again.add(a)
-    assert json.loads(again.get("after"))["id"] == "after" and json.loads(again.get("id10"))["id"] == "id10"
+    assert json.loads(again.get("after"))["id"] == "after" and again.ids()[0] == "id08"
     again.close()
+
+
+def test_store_is_shared_by_processes_of_one_server(tmp_path):
+    """Two stores on one run directory, as two HTTP processes hold them: what one stores or is building, the other
+    reads, lists and waits for."""
+    from sample_anatomy import sample_anatomy
+
+    first, second = AnatomyStore(tmp_path, keep=3), AnatomyStore(tmp_path, keep=3, clear_pending=False)
+    a = sample_anatomy()
+    a.id = "made-by-first"
+    first.add(a, owner="key-a")
+    assert second.ids() == ["made-by-first"] and second.ids("key-a") == ["made-by-first"] and second.ids("b") == []
+    assert json.loads(second.get("made-by-first"))["id"] == "made-by-first"
+    first.expect("building", owner="key-b")
+    assert second.owner_of("building") == (True, "key-b") and second.get("building", wait_s=0.05) is None
+    b = sample_anatomy()
+    b.id = "building"
+    later = threading.Timer(0.2, first.add, (b, "key-b"))
+    later.start()
+    assert json.loads(second.get("building", wait_s=10))["id"] == "building"  # waited for the other's write
+    first.expect("abandoned")
+    first.give_up("abandoned")
+    assert second.get("abandoned", wait_s=5) is None and second.owner_of("abandoned") == (False, None)
+    for i in range(4):
+        c = sample_anatomy()
+        c.id = f"more{i}"
+        second.add(c)
+    assert first.ids() == ["more1", "more2", "more3"]  # the newest 3, whoever wrote them
+    first.close()
+    second.close()
+
+
+def test_store_takes_in_an_earlier_versions_jsonl_once(tmp_path):
+    from sample_anatomy import sample_anatomy
+
+    a, b = sample_anatomy(), sample_anatomy()
+    a.id, b.id = "bare", "wrapped"
+    lines = [a.to_json(), json.dumps({"id": "wrapped", "owner": "hash", "anatomy": json.loads(b.to_json())}),
+             '{"id": "torn", "model"']
+    (tmp_path / "anatomies.jsonl").write_text("\n".join(lines))
+    store = AnatomyStore(tmp_path, keep=10)
+    assert store.ids() == ["bare", "wrapped"] and store.owner_of("wrapped") == (True, "hash")
+    assert json.loads(store.get("wrapped"))["id"] == "wrapped" and json.loads(store.get("bare")) == json.loads(a.to_json())
+    assert not (tmp_path / "anatomies.jsonl").exists() and (tmp_path / "anatomies.jsonl.imported").exists()
+    store.close()
+    assert AnatomyStore(tmp_path, keep=10).ids() == ["bare", "wrapped"]
+
+
+@pytest.mark.parametrize("keep", [0, -1, 1.5, "3"])
+def test_store_refuses_a_bad_keep(tmp_path, keep):
+    with pytest.raises(ValueError, match="keep"):
+        AnatomyStore(tmp_path, keep=keep)
 
 
 def test_tool_calls_are_parsed_from_qwen3_output():
@@ -587,6 +638,9 @@ def test_tools_reach_the_template(server):
     (["--anatomy-processes", "0"], "--anatomy-processes must be >= 1"),
     (["--anatomy-processes", "17"], "--anatomy-processes must be <= 16"),
     (["--anatomy-processes", "two"], "--anatomy-processes must be an integer"),
+    (["--api-server-count", "0"], "--api-server-count must be >= 1"),
+    (["--api-server-count", "65"], "--api-server-count must be <= 64"),
+    (["--api-server-count", "2.5"], "--api-server-count must be an integer"),
     (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
     (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be >= 1"),
     (["--gpu-memory-utilization", "0.5"], "cannot be used on the CPU"),
@@ -602,13 +656,34 @@ def test_serve_bad_flags_fail_before_loading(capsys, checkpoint, argv, message):
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_serve_on_a_port_in_use_says_so_before_loading(capsys, checkpoint, monkeypatch):
+    from llm_anatomy.cli import main
+    from llm_anatomy.server import core
+
+    monkeypatch.setattr(core.EngineSpec, "build", lambda *a, **k: pytest.fail("the engine was built"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", str(checkpoint), "--device", "cpu", "--no-calibrate", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("count", [0, 65, 1.0, "2"])
+def test_build_server_refuses_a_bad_api_server_count(tmp_path, count):
+    with pytest.raises(ValueError, match="api_server_count"):
+        build_server(EngineSpec.of("unused"), host="127.0.0.1", port=0, model_names=(MODEL,), run_dir=tmp_path,
+                     api_server_count=count)
+
+
 # ---- the command, as a process: SIGTERM drains, a restart keeps the anatomies ------------------------------------------
-def start_process(checkpoint, run_dir, port):
+def start_process(checkpoint, run_dir, port, *more):
+    """`llm-anatomy serve` as a process (a session of its own, so that a test may signal its whole group)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "llm_anatomy.cli", "serve", str(checkpoint), "--device", "cpu",
                              "--dtype", "float32", "--port", str(port), "--run-dir", str(run_dir),
                              "--kv-cache-tokens", "1024", "--served-model-name", MODEL, "--no-calibrate",
-                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--log-level", "warning", *more], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while True:
         assert proc.poll() is None, proc.stdout.read().decode()

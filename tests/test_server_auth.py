@@ -46,8 +46,8 @@ def test_each_key_reads_only_its_own_anatomies_across_a_restart(engine, tmp_path
         assert html.headers["x-content-type-options"] == "nosniff"
     finally:
         running.stop()
-    stored = (tmp_path / "anatomies.jsonl").read_text()
-    assert KEY_A not in stored and KEY_B not in stored  # only salted hashes
+    stored = b"".join(path.read_bytes() for path in tmp_path.glob("anatomies.db*"))
+    assert made_by_a.encode() in stored and KEY_A.encode() not in stored and KEY_B.encode() not in stored  # hashes
     again = Running(engine, tmp_path, api_keys=(KEY_B, KEY_A))  # a restart, keys in another order
     try:
         assert httpx.get(f"{again.url}/v1/anatomy/{made_by_a}", headers=auth(KEY_A)).status_code == 200

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .loop import EngineClient
 
 log = logging.getLogger("llm_anatomy.server")
+MAX_API_SERVERS = 64  # HTTP processes of one server at most (--api-server-count)
 MAX_WARNED = 256  # ignored field names remembered (a client inventing names must not grow memory)
 
 

@@ -6,14 +6,16 @@ detokenizing, the Recorder, the calls' outputs) no longer waits for the event lo
 nor the event loop for it. `llm-anatomy serve` always runs the core in a process (`main`, started with "spawn":
 CUDA cannot fork) from an EngineSpec; tests that build an Engine in their own process and reach into it run the
 same core on a thread of that process (`run_core`). Either way the two sides speak over the same two pipes
-(loop.py is the HTTP side):
+(loop.py is the HTTP side). With several HTTP processes (`--api-server-count`, vLLM's API servers) each has
+its own pair, and `Frontends` routes the core's messages (who gets what: its docstring):
 
   HTTP -> core  ("add", CallSpec), ("abort", id),
                 ("want", id) (build this anatomy next), None (stop once what runs has finished)
   core -> HTTP  ("progress", stage) while the engine loads, then ("ready", EngineInfo) or ("failed", why);
                 ("step", outputs, failures, Gauges): one message per step for all its calls;
                 ("finished", [CallStats]) and ("anatomy", id, summary, json, joules, seconds, dropped) from the
-                anatomy builder (anatomies.py); ("restarted",) when its process was replaced;
+                anatomy builder (anatomies.py), ("built", joules, seconds, dropped) to the HTTP processes that do not
+                own the call; ("restarted",) when its process was replaced;
                 ("died", why) if the loop itself failed; ("stopped",) after a stop, everything built.
 
 A step's output per call is (id, new text, output tokens so far, finish reason, new token ids, their logprobs):
@@ -31,6 +33,7 @@ import queue
 import signal
 import sys
 import threading
+from multiprocessing.connection import wait
 from dataclasses import dataclass, field
 
 import torch
@@ -241,13 +244,115 @@ class Sender:
                 done.set()
 
 
-def run_with_sender(engine: Engine, options: CoreOptions, inbox, outbox) -> None:
-    """run_core from a thread of the HTTP side's process (EngineClient.in_thread), its outbox a Sender's."""
-    send = Sender(outbox)
+class Frontends:
+    """The HTTP processes the core serves (vLLM's API servers, `--api-server-count`), a pair of pipes each. A call
+    belongs to the process that sent it: its outputs, its failure and its anatomy go there alone. The gauges and
+    every finished call's figures go to all of them, so that each answers /health and /metrics for the whole
+    server; the others hear of an anatomy's figures alone (("built", joules, seconds, dropped)). A process whose
+    pipe closes is gone: the core aborts its calls and serves the others, and ends when none is left."""
+
+    def __init__(self, inboxes: list, senders: list):
+        """`senders`: Senders (or anything with their `__call__`, `post` and `close`), one a frontend."""
+        if not inboxes or len(inboxes) != len(senders):
+            raise ValueError(f"one inbox and one outbox a frontend, got {len(inboxes)} and {len(senders)}")
+        self.inboxes = list(inboxes)
+        self.senders = list(senders)
+        self.live = set(range(len(inboxes)))
+        self.stopping: set[int] = set()  # said they send nothing more
+        self.owner: dict[str, int] = {}  # call id -> its frontend, until its anatomy (or its failure) is sent
+
+    @classmethod
+    def of_pipes(cls, inboxes: list, outboxes: list) -> "Frontends":
+        return cls(inboxes, [Sender(outbox) for outbox in outboxes])
+
+    def ready(self, timeout: float) -> list[int]:
+        """The frontends with something to read, waiting up to `timeout` seconds for one."""
+        live = sorted(self.live)
+        if len(live) == 1:  # one pipe's poll is cheaper than a selector built for each step
+            return live if self.inboxes[live[0]].poll(timeout) else []
+        ready = set(wait([self.inboxes[i] for i in live], timeout))
+        return [i for i in live if self.inboxes[i] in ready]
+
+    def recv(self, index: int):
+        """The next message from this frontend; EOFError or OSError once it is gone."""
+        return self.inboxes[index].recv()
+
+    def adopt(self, call_id: str, index: int) -> None:
+        """A call that this frontend sent (with one frontend, every call is its)."""
+        if len(self.senders) > 1:
+            self.owner[call_id] = index
+
+    def calls_of(self, index: int) -> set[str]:
+        return {call_id for call_id, i in self.owner.items() if i == index}
+
+    def gone(self, index: int) -> None:
+        """Its pipe closed. EOFError once none is left (the core's run ends)."""
+        self.live.discard(index)
+        self.stopping.discard(index)
+        if not self.live:
+            raise EOFError("every HTTP process is gone")
+
+    def stopped(self, index: int) -> bool:
+        """This frontend sends nothing more. True once every live one has said so."""
+        self.stopping.add(index)
+        return self.live <= self.stopping
+
+    def post_step(self, outputs: list[tuple], failures: list[tuple], gauges: "Gauges") -> None:
+        """A step's outputs and failures (each led by its call's id) to their calls' frontends, the gauges to all,
+        without waiting."""
+        if len(self.senders) == 1:
+            self._post(0, ("step", outputs, failures, gauges))
+            return
+        mine = {i: ([], []) for i in self.live}
+        for output in outputs:
+            if (i := self.owner.get(output[0])) in mine:
+                mine[i][0].append(output)
+        for failure in failures:
+            final = failure[5]  # no anatomy follows
+            i = self.owner.pop(failure[0], None) if final else self.owner.get(failure[0])
+            if i in mine:
+                mine[i][1].append(failure)
+        for i, (its_outputs, its_failures) in mine.items():
+            self._post(i, ("step", its_outputs, its_failures, gauges))
+
+    def __call__(self, message) -> None:
+        """Send one of the other messages (run_core's, the anatomy builder's) where it goes, waiting until it is
+        sent. OSError only if no frontend could take it."""
+        if message[0] == "anatomy":
+            owner = self.owner.pop(message[1], 0 if len(self.senders) == 1 else None)
+            figures = ("built",) + tuple(message[4:])
+            sent = [self._send(i, message if i == owner else figures) for i in sorted(self.live)]
+        else:
+            sent = [self._send(i, message) for i in sorted(self.live)]
+        if not any(sent):
+            raise OSError("no HTTP process took the engine core's message")
+
+    def _send(self, index: int, message) -> bool:
+        try:
+            self.senders[index](message)
+            return True
+        except OSError:  # gone: the step loop finds out from its inbox
+            return False
+
+    def _post(self, index: int, message) -> None:
+        try:
+            self.senders[index].post(message)
+        except OSError:
+            if len(self.senders) == 1:
+                raise
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
+
+
+def run_with_pipes(engine: Engine, options: CoreOptions, inboxes: list, outboxes: list) -> None:
+    """run_core from a thread of the HTTP side's process (EngineClient.in_thread)."""
+    frontends = Frontends.of_pipes(inboxes, outboxes)
     try:
-        run_core(engine, options, inbox, send)
+        run_core(engine, options, frontends)
     finally:
-        send.close()
+        frontends.close()
 
 
 class EngineCore:
@@ -256,13 +361,13 @@ class EngineCore:
     for a RequestError), and a step that fails ends the requests that were in it (their KV blocks freed) while the
     loop goes on with the others. Finished calls go to the anatomy builder."""
 
-    def __init__(self, engine: Engine, options: CoreOptions, ceilings: Ceilings, send: Sender, telemetry,
+    def __init__(self, engine: Engine, options: CoreOptions, ceilings: Ceilings, frontends: Frontends, telemetry,
                  telemetry_note: str):
-        self.engine, self.options, self.send, self.telemetry = engine, options, send, telemetry
+        self.engine, self.options, self.frontends, self.telemetry = engine, options, frontends, telemetry
         self.recorder = Recorder(Clock(engine.device))
         self.open_steps = OpenSteps()
         engine.observers += [self.recorder, self.open_steps]
-        self.anatomy_builders = AnatomyBuilders(engine, ceilings, send, telemetry, telemetry_note,
+        self.anatomy_builders = AnatomyBuilders(engine, ceilings, frontends, telemetry, telemetry_note,
                                                 options.device_why, backlog=options.keep_anatomies,
                                                 processes=options.anatomy_processes)
         self._calls: dict[str, CoreCall] = {}
@@ -273,22 +378,24 @@ class EngineCore:
         self.failed_steps = 0
         self.last_failure: str | None = None
 
-    def run(self, inbox) -> None:
-        """Until told to stop (and what runs has finished), or until the HTTP side's end of the pipe closes."""
+    def run(self) -> None:
+        """Until told to stop by every HTTP process (and what runs has finished), or until their pipes close."""
         engine = self.engine
         with torch.inference_mode():
-            while self._take_inbox(inbox, block=not engine.has_work()):
+            while self._take_inbox(block=not engine.has_work()):
                 if engine.has_work():
                     self._step()
                 self._hand_over_finished()
                 self._flush()
 
-    def _take_inbox(self, inbox, block: bool) -> bool:
+    def _take_inbox(self, block: bool) -> bool:
         """Admit new calls and process aborts. False once told to stop and nothing is left to run."""
+        frontends = self.frontends
         while True:
             if block and self._stopping:  # told to stop, and nothing runs
                 return False
-            if not inbox.poll(IDLE_POLL_S if block else 0):
+            ready = frontends.ready(IDLE_POLL_S if block else 0)
+            if not ready:
                 if block:
                     self._reanchor_clock()
                     if self._stopping:
@@ -297,26 +404,49 @@ class EngineCore:
                     continue
                 return True
             block = False
-            item = inbox.recv()  # EOFError: the HTTP process is gone (run's caller ends)
-            if item is None:
-                self._stopping = True
-                if not self.engine.has_work():
-                    return False
-                continue
-            what = item[0]
-            if what == "want":
-                self.anatomy_builders.want(item[1])
-                continue
-            call = CoreCall(**vars(item[1])) if what == "add" else self._calls.get(item[1])
-            if call is None:  # an abort for a call already over
-                continue
-            try:
-                if what == "add":
-                    self._add(call)
-                elif call.seq is not None and not call.seq.finished:
+            for index in ready:
+                try:
+                    item = frontends.recv(index)
+                except (EOFError, OSError):
+                    self._frontend_gone(index)  # EOFError once none is left: run's caller ends
+                    continue
+                if item is None:
+                    self._stopping = frontends.stopped(index)
+                    if self._stopping and not self.engine.has_work():
+                        return False
+                    continue
+                self._take(index, item)
+
+    def _take(self, index: int, item: tuple) -> None:
+        what = item[0]
+        if what == "want":
+            self.anatomy_builders.want(item[1])
+            return
+        call = CoreCall(**vars(item[1])) if what == "add" else self._calls.get(item[1])
+        if call is None:  # an abort for a call already over
+            return
+        try:
+            if what == "add":
+                self.frontends.adopt(call.id, index)
+                self._add(call)
+            elif call.seq is not None and not call.seq.finished:
+                self.engine.abort(call.seq)
+        except Exception as e:  # noqa: BLE001 - this call alone fails
+            self._fail(call, e, "admitting" if what == "add" else "aborting")
+
+    def _frontend_gone(self, index: int) -> None:
+        """An HTTP process is gone (its pipe closed): nobody waits for its calls any more, their KV blocks are
+        freed. The others go on."""
+        log.error("HTTP process %d is gone: aborting its calls", index)
+        for call_id in self.frontends.calls_of(index):
+            call = self._calls.get(call_id)
+            if call is not None and call.seq is not None and not call.seq.finished:
+                try:
                     self.engine.abort(call.seq)
-            except Exception as e:  # noqa: BLE001 - this call alone fails
-                self._fail(call, e, "admitting" if what == "add" else "aborting")
+                except Exception:  # noqa: BLE001
+                    log.exception("aborting %s after its HTTP process went failed", call_id)
+        self.frontends.gone(index)
+        self._stopping = bool(self.frontends.live) and self.frontends.live <= self.frontends.stopping
 
     def _reanchor_clock(self) -> None:
         """While idle (a sync costs nothing), take a fresh device reference: host and device clocks drift."""
@@ -421,7 +551,7 @@ class EngineCore:
         for the telemetry's)."""
         gauges = self.gauges()
         if self._outputs or self._failures or gauges != self._gauges or idle:
-            self.send.post(("step", self._outputs, self._failures, gauges))
+            self.frontends.post_step(self._outputs, self._failures, gauges)
             self._outputs, self._failures, self._gauges = [], [], gauges
 
 
@@ -435,7 +565,7 @@ def _ceilings(engine: Engine, options: CoreOptions, progress) -> Ceilings:
     return load_or_calibrate(engine.device, quick=True, progress=progress).ceilings  # a busy one warns
 
 
-def run_core(engine: Engine, options: CoreOptions, inbox, send: Sender, progress=None) -> None:
+def run_core(engine: Engine, options: CoreOptions, frontends: Frontends, progress=None) -> None:
     """Serve `engine` from this thread: the anatomy builder and the telemetry started, ("ready", EngineInfo)
     sent (or ("failed", why)), the step loop until stopped, then what is left built and ("stopped",) sent. A
     failure of the loop itself is sent as ("died", why) (the HTTP side then fails what is in flight)."""
@@ -449,25 +579,25 @@ def run_core(engine: Engine, options: CoreOptions, inbox, send: Sender, progress
             ceilings = _ceilings(engine, options, progress)
             available, note = nvml_status(engine.device) if options.telemetry_hz else (False, "telemetry turned off")
             telemetry = TelemetryStream(engine.device, options.telemetry_hz) if available else None
-            core = EngineCore(engine, options, ceilings, send, telemetry, note)
+            core = EngineCore(engine, options, ceilings, frontends, telemetry, note)
             if telemetry is not None:
                 telemetry.start()
             core.anatomy_builders.start()
-            send(("ready", EngineInfo.of(engine)))  # pickled before a byte is written: a failure sends nothing
+            frontends(("ready", EngineInfo.of(engine)))  # pickled before a byte is written: a failure sends nothing
         except Exception as e:  # noqa: BLE001 - the HTTP side says it and does not start
             log.exception("the engine core could not start")
-            send(("failed", str(e) if isinstance(e, AnatomyError) else f"{type(e).__name__}: {e}"))
+            frontends(("failed", str(e) if isinstance(e, AnatomyError) else f"{type(e).__name__}: {e}"))
             return
         try:
-            core.run(inbox)
+            core.run()
         except (EOFError, OSError):  # the HTTP side is gone: nobody to answer
             return
         except BaseException as e:  # noqa: BLE001 - a bug of the loop itself: say so, the HTTP side answers
             log.exception("the engine loop stopped")
-            send(("died", f"{type(e).__name__}: {e}"))
+            frontends(("died", f"{type(e).__name__}: {e}"))
             return
         core.anatomy_builders.stop()
-        send(("stopped",))
+        frontends(("stopped",))
     finally:
         if core is not None:
             core.anatomy_builders.stop(timeout=5)  # a no-op after a stop; else its process ends with this one
@@ -477,7 +607,7 @@ def run_core(engine: Engine, options: CoreOptions, inbox, send: Sender, progress
             telemetry.stop()
 
 
-def main(spec: EngineSpec, options: CoreOptions, inbox, outbox, switch_interval_s: float | None,
+def main(spec: EngineSpec, options: CoreOptions, inboxes: list, outboxes: list, switch_interval_s: float | None,
          gc_threshold: int | None) -> None:
     """The core's process: build the engine (its load stages sent as ("progress", stage)), then run_core. A load
     that fails is sent as ("failed", why), one line."""
@@ -486,19 +616,19 @@ def main(spec: EngineSpec, options: CoreOptions, inbox, outbox, switch_interval_
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="llm-anatomy engine: %(message)s", stream=sys.stderr)
-    send = Sender(outbox)
+    frontends = Frontends.of_pipes(inboxes, outboxes)
     try:
-        _load_and_serve(spec, options, inbox, send, switch_interval_s, gc_threshold)
+        _load_and_serve(spec, options, frontends, switch_interval_s, gc_threshold)
     finally:
-        send.close()
+        frontends.close()
 
 
-def _load_and_serve(spec: EngineSpec, options: CoreOptions, inbox, send: Sender, switch_interval_s: float | None,
+def _load_and_serve(spec: EngineSpec, options: CoreOptions, frontends: Frontends, switch_interval_s: float | None,
                     gc_threshold: int | None) -> None:
     try:
-        engine = spec.build(progress=lambda stage: send(("progress", stage)))
+        engine = spec.build(progress=lambda stage: frontends(("progress", stage)))
     except Exception as e:  # noqa: BLE001 - the HTTP process says it in one line and exits
-        send(("failed", str(e) if isinstance(e, AnatomyError) else f"{type(e).__name__}: {e}"))
+        frontends(("failed", str(e) if isinstance(e, AnatomyError) else f"{type(e).__name__}: {e}"))
         return
     # As the HTTP process does (app.serve): out of the way of the collector, and a short switch interval for the
     # builder's threads (the step loop waits for the device with the lock released).
@@ -509,6 +639,6 @@ def _load_and_serve(spec: EngineSpec, options: CoreOptions, inbox, send: Sender,
     if gc_threshold is not None:
         gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
     try:
-        run_core(engine, options, inbox, send, progress=lambda stage: send(("progress", stage)))
+        run_core(engine, options, frontends, progress=lambda stage: frontends(("progress", stage)))
     except (EOFError, OSError):  # the HTTP process is gone
         pass

@@ -10,7 +10,8 @@ the core stops (its process died, or its loop failed), every call in flight gets
 why.
 
 The core runs in a process of its own from an EngineSpec (`llm-anatomy serve`), or, for tests that build an
-Engine in their own process and reach into it, on a thread of this process: the same core, the same pipes.
+Engine in their own process and reach into it, on a thread of this process: the same core, the same pipes. With
+several HTTP processes (api_servers.py), each has its own EngineClient and pipes: `connect` builds the others'.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class EngineClient:
         self._stopping = False
         self._worker = None  # the core's process or thread
         self._to_core = self._from_core = None
+        self.others: list[tuple] = []  # the other HTTP processes' ends of their pipes to the core, to hand on
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # what the writing thread sends to the core
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._reader = threading.Thread(target=self._read, name="llm-anatomy-core-reader", daemon=True)
@@ -125,38 +127,64 @@ class EngineClient:
 
     @classmethod
     def spawn(cls, spec: EngineSpec, options: CoreOptions, store: AnatomyStore, metrics: Metrics,
-              switch_interval_s: float | None = 0.001, gc_threshold: int | None = None) -> "EngineClient":
+              switch_interval_s: float | None = 0.001, gc_threshold: int | None = None, frontends: int = 1
+              ) -> "EngineClient":
+        """The core in a process of its own. `frontends`: the HTTP processes it serves, this one the first; the
+        others' pipes wait in `others` (api_servers.py hands them on)."""
         client = cls(store, metrics)
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot fork
-        their_inbox, client._to_core = ctx.Pipe(duplex=False)
-        client._from_core, their_outbox = ctx.Pipe(duplex=False)
+        theirs = client._pipes(ctx, frontends)
         # Not a daemon: it starts the anatomy builder's process itself. It ends when told to (stop) or when its
-        # inbox closes: at this process's exit (before multiprocessing joins its children), or with it.
+        # inboxes close: at the HTTP processes' exit (before multiprocessing joins its children), or with them.
         client._worker = ctx.Process(target=core.main, name="llm-anatomy-engine",
-                                     args=(spec, options, their_inbox, their_outbox, switch_interval_s, gc_threshold))
+                                     args=(spec, options, *theirs, switch_interval_s, gc_threshold))
         client._worker.start()
-        their_inbox.close()  # the core's ends: closed here, so that the pipes break when it dies
-        their_outbox.close()
+        for end in theirs[0] + theirs[1]:
+            end.close()  # the core's ends: closed here, so that the pipes break when it dies
         atexit.register(client._abandon)
         return client
 
     @classmethod
-    def in_thread(cls, engine: Engine, options: CoreOptions, store: AnatomyStore, metrics: Metrics
-                  ) -> "EngineClient":
+    def in_thread(cls, engine: Engine, options: CoreOptions, store: AnatomyStore, metrics: Metrics,
+                  frontends: int = 1) -> "EngineClient":
         client = cls(store, metrics)
-        their_inbox, client._to_core = multiprocessing.Pipe(duplex=False)
-        client._from_core, their_outbox = multiprocessing.Pipe(duplex=False)
-        client._worker = threading.Thread(target=core.run_with_sender, name="llm-anatomy-engine", daemon=True,
-                                          args=(engine, options, their_inbox, their_outbox))
+        theirs = client._pipes(multiprocessing, frontends)
+        client._worker = threading.Thread(target=core.run_with_pipes, name="llm-anatomy-engine", daemon=True,
+                                          args=(engine, options, *theirs))
         client._worker.start()
         return client
+
+    @classmethod
+    def connect(cls, to_core, from_core, store: AnatomyStore, metrics: Metrics) -> "EngineClient":
+        """Another HTTP process's client of a core already started (api_servers.py), over the pipes it was given."""
+        client = cls(store, metrics)
+        client._to_core, client._from_core = to_core, from_core
+        return client
+
+    def _pipes(self, ctx, frontends: int) -> tuple[list, list]:
+        """A pair of pipes a frontend: this one's ends kept, the other frontends' in `others`; returns the core's
+        ends (its inboxes, its outboxes)."""
+        if not isinstance(frontends, int) or frontends < 1:
+            raise ValueError(f"frontends must be an integer >= 1, got {frontends!r}")
+        inboxes, outboxes = [], []
+        for i in range(frontends):
+            their_inbox, to_core = ctx.Pipe(duplex=False)
+            from_core, their_outbox = ctx.Pipe(duplex=False)
+            inboxes.append(their_inbox)
+            outboxes.append(their_outbox)
+            if i == 0:
+                self._to_core, self._from_core = to_core, from_core
+            else:
+                self.others.append((to_core, from_core))
+        return inboxes, outboxes
 
     def start(self, progress=None, timeout: float = 3600.0) -> EngineInfo:
         """Wait until the core is ready (its load stages to `progress`); AnatomyError if it could not start."""
         deadline = time.monotonic() + timeout
         while True:
             if not self._from_core.poll(max(0.0, min(1.0, deadline - time.monotonic()))):
-                if not self._worker.is_alive() and not self._from_core.poll():  # a thread's end closes no pipe
+                if self._worker is not None and not self._worker.is_alive() and not self._from_core.poll():
+                    # a thread's end closes no pipe
                     self._end_worker()
                     raise AnatomyError(f"the engine core ended while loading (exit code {self._exitcode()})")
                 if time.monotonic() > deadline:
@@ -290,7 +318,9 @@ class EngineClient:
                 message = self._from_core.recv()
             except (EOFError, OSError):
                 if self.error is None:
-                    if isinstance(self._worker, threading.Thread):
+                    if self._worker is None:
+                        self._core_stopped("the engine core's pipe closed")
+                    elif isinstance(self._worker, threading.Thread):
                         self._core_stopped("the engine's thread ended")
                     else:
                         self._worker.join(2)  # its pipe closed as it died: its exit code comes with its end
@@ -314,6 +344,8 @@ class EngineClient:
             self._finished(message[1])
         elif what == "anatomy":
             self._anatomy(*message[1:])
+        elif what == "built":  # a call of another HTTP process: its figures alone
+            self._built(*message[1:])
         elif what == "restarted":
             self.metrics.anatomy_builder_restarts.labels(self.metrics.model).inc()
         elif what == "died":
@@ -359,13 +391,18 @@ class EngineClient:
         call = self._calls.get(call_id)
         if json is not None:
             self.store.add_json(call_id, json, call.owner if call is not None else None)
-            self.metrics.anatomy_build.labels(self.metrics.model).observe(seconds)
-            self.metrics.observe_joules(joules)
         else:
             self.store.give_up(call_id)
+        self._built(joules, seconds if json is not None else None, dropped)
+        self._on_loop(self._anatomy_done, call_id, summary)
+
+    def _built(self, joules: float | None, seconds: float | None, dropped: bool) -> None:
+        """An anatomy done with (this process's call or another's): the metrics."""
+        if seconds is not None:
+            self.metrics.anatomy_build.labels(self.metrics.model).observe(seconds)
+        self.metrics.observe_joules(joules)
         if dropped:
             self.metrics.anatomies_dropped.labels(self.metrics.model).inc()
-        self._on_loop(self._anatomy_done, call_id, summary)
 
     def _anatomy_done(self, call_id: str, summary: dict | None) -> None:
         """On the event loop, after the step messages before it: the call is over."""

@@ -3,8 +3,9 @@ under vLLM's own prefix (vllm:) so that dashboards and load generators built for
 
 Latency histograms and token counters are fed from each finished call's trace as it finishes, with the same
 instants its Anatomy reports (so /metrics and the anatomies agree, even when a busy server builds the
-anatomy later): the engine core's process reads them off the trace (call_stats) and this process counts them
-(Metrics.observe). Energy is counted once the anatomy is built. Gauges (running and waiting requests, KV cache
+anatomy later): the engine core's process reads them off the trace (call_stats) and each HTTP process counts
+them (Metrics.observe) for every call, its own or another's (`--api-server-count`), so that a scrape reaching any of
+them reads the whole server. Energy is counted once the anatomy is built. Gauges (running and waiting requests, KV cache
 usage, GPU power and energy) are the latest the engine core sent (core.Gauges, with every step).
 """
 

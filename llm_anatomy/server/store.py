@@ -1,12 +1,16 @@
-"""Anatomies of served calls: one JSON line each in RUN_DIR/anatomies.jsonl, the newest `keep` of them.
+"""Anatomies of served calls, the newest `keep` of them, in RUN_DIR/anatomies.db (SQLite).
 
-The file is appended to as calls finish and read back at start, so a restart keeps earlier anatomies. When
-it holds a quarter more than `keep` lines it is rewritten with the newest `keep` (atomically: a new file,
-then a rename). An id whose anatomy is still being built can be waited for.
+SQLite because the server may take requests in several HTTP processes (`--api-server-count`): each writes the
+anatomies of its own calls to the same database, and any of them answers GET /v1/anatomy/{id}, whichever took
+the call in. The database is kept across restarts. One table, `anatomies`: `seq` (the order they were stored
+in), `id`, `owner` (the salted hash of the API key that made the call, never the key; NULL without keys) and
+`json` (the anatomy, as Anatomy.to_json wrote it; NULL while it is being built, so that a GET from any process
+waits for it rather than saying it does not exist).
 
-A record made with an API key carries its owner (the key's salted hash, never the key) in a wrapper,
-`{"id": ..., "owner": ..., "anatomy": {...}}`; one made without a key is the bare anatomy. Either way `get`
-returns the anatomy's own JSON, sliced from the line without parsing it.
+    sqlite3 RUN_DIR/anatomies.db "select json from anatomies order by seq" > anatomies.jsonl
+
+A run directory of an earlier version holds anatomies.jsonl instead: its records are taken in once, and the file
+renamed anatomies.jsonl.imported.
 """
 
 from __future__ import annotations
@@ -14,148 +18,133 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 from ..anatomy import Anatomy
 
 log = logging.getLogger("llm_anatomy.server")
+BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another process's (each takes well under a millisecond)
+POLL_S = (0.005, 0.05)  # a GET of an anatomy being built looks again after this long, doubling up to the second
 
 
 class AnatomyStore:
-    def __init__(self, run_dir: str | os.PathLike, keep: int = 1000):
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
+    def __init__(self, run_dir: str | os.PathLike, keep: int = 1000, clear_pending: bool = True):
+        """`clear_pending`: forget anatomies marked as being built (by a server that stopped before it built
+        them); the first process of a server does, the other HTTP processes, started after it, do not."""
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
         self.dir = Path(run_dir).expanduser()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "anatomies.jsonl"
+        self.path = self.dir / "anatomies.db"
         self.keep = keep
-        # id -> (offset, length) of its anatomy's JSON in the file, and its owner; oldest first
-        self._index: OrderedDict[str, tuple[int, int, str | None]] = OrderedDict()
-        self._pending: dict[str, str | None] = {}  # ids being built -> their owners
-        self._lock = threading.Condition()
-        self._lines = 0
-        self._load()
-        self._file = open(self.path, "ab")
-
-    def _load(self) -> None:
-        if not self.path.exists():
-            return
-        offset, bad, torn = 0, 0, False
-        with open(self.path, "rb") as f:
-            for line in f:
-                torn = not line.endswith(b"\n")
-                try:
-                    record = json.loads(line)
-                    anatomy_id, wrapped = record["id"], "anatomy" in record
-                    owner = record["owner"] if wrapped else None
-                    head = _wrapper_head(anatomy_id, owner) if wrapped else b""
-                    if not line.startswith(head):
-                        raise ValueError("not a record this store wrote")
-                    tail = len(line) - len(line.rstrip(b"\n")) + (1 if wrapped else 0)  # newline, wrapper's brace
-                    self._index[anatomy_id] = (offset + len(head), len(line) - len(head) - tail, owner)
-                    self._index.move_to_end(anatomy_id)
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    bad += 1  # a line cut short by a crash: skipped, dropped at the next compaction
-                offset += len(line)
-                self._lines += 1
-        if bad:
-            log.warning("%s: skipped %d unreadable line(s)", self.path, bad)
-        if torn:
-            with open(self.path, "ab") as f:  # a torn last line must not swallow the next record
-                f.write(b"\n")
-        while len(self._index) > self.keep:
-            self._index.popitem(last=False)
+        self._lock = threading.Lock()  # one connection, shared by the reading thread and the routes' workers
+        self._closed = False
+        self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1e3, check_same_thread=False,
+                                   isolation_level=None)  # autocommit: each statement its own transaction
+        self._db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer, nor it for them
+        self._db.execute("PRAGMA synchronous=NORMAL")  # a power cut may lose the last anatomies, never the file
+        self._db.execute("CREATE TABLE IF NOT EXISTS anatomies (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                         "id TEXT NOT NULL UNIQUE, owner TEXT, json BLOB)")
+        if clear_pending:
+            self._db.execute("DELETE FROM anatomies WHERE json IS NULL")
+        self._import_jsonl(self.dir / "anatomies.jsonl")
+        self._trim()
 
     def __len__(self) -> int:
-        return len(self._index)
+        return self._one("SELECT count(*) FROM anatomies WHERE json IS NOT NULL")[0]
 
     def ids(self, owner: str | None = None) -> list[str]:
         """Ids, oldest first: all of them, or those whose owner is `owner` when one is given."""
         with self._lock:
-            return [i for i, (_, _, o) in self._index.items() if owner is None or o == owner]
+            if owner is None:
+                rows = self._db.execute("SELECT id FROM anatomies WHERE json IS NOT NULL ORDER BY seq")
+            else:
+                rows = self._db.execute("SELECT id FROM anatomies WHERE json IS NOT NULL AND owner = ? ORDER BY seq",
+                                        (owner,))
+            return [r[0] for r in rows.fetchall()]
 
     def owner_of(self, anatomy_id: str) -> tuple[bool, str | None]:
         """(whether the id is stored or being built, its owner)."""
-        with self._lock:
-            if anatomy_id in self._index:
-                return True, self._index[anatomy_id][2]
-            if anatomy_id in self._pending:
-                return True, self._pending[anatomy_id]
-            return False, None
+        row = self._one("SELECT owner FROM anatomies WHERE id = ?", (anatomy_id,))
+        return (True, row[0]) if row is not None else (False, None)
 
     def expect(self, anatomy_id: str, owner: str | None = None) -> None:
-        """An anatomy for this id is being built: `get` waits for it rather than saying it does not exist."""
+        """An anatomy for this id is being built: `get` (in any process) waits for it rather than saying it does
+        not exist."""
         with self._lock:
-            self._pending[anatomy_id] = owner
+            self._db.execute("INSERT OR IGNORE INTO anatomies (id, owner) VALUES (?, ?)", (anatomy_id, owner))
 
     def give_up(self, anatomy_id: str) -> None:
+        """It will not be built after all (a no-op once the store is closed: a server failing its last calls)."""
         with self._lock:
-            self._pending.pop(anatomy_id, None)
-            self._lock.notify_all()
+            if self._closed:
+                return
+            self._db.execute("DELETE FROM anatomies WHERE id = ? AND json IS NULL", (anatomy_id,))
 
     def add(self, anatomy: Anatomy, owner: str | None = None) -> None:
         self.add_json(anatomy.id, anatomy.to_json().encode(), owner)
 
     def add_json(self, anatomy_id: str, body: bytes, owner: str | None = None) -> None:
-        """An anatomy already turned into JSON (Anatomy.to_json, encoded), where it was built."""
-        head = _wrapper_head(anatomy_id, owner) if owner is not None else b""
-        line = head + body + (_WRAPPER_TAIL if owner is not None else b"\n")
+        """An anatomy already turned into JSON (Anatomy.to_json, encoded), where it was built. The oldest beyond
+        `keep` go."""
         with self._lock:
-            offset = self._file.seek(0, os.SEEK_END)
-            self._file.write(line)
-            self._file.flush()
-            self._index[anatomy_id] = (offset + len(head), len(body), owner)
-            self._lines += 1
-            while len(self._index) > self.keep:
-                self._index.popitem(last=False)
-            if self._lines > self.keep + max(1, self.keep // 4):
-                self._compact()
-            self._pending.pop(anatomy_id, None)
-            self._lock.notify_all()
+            self._db.execute("INSERT OR REPLACE INTO anatomies (id, owner, json) VALUES (?, ?, ?)",
+                             (anatomy_id, owner, body))
+        self._trim()
 
-    def _compact(self) -> None:
-        """Rewrite the file with the records still indexed (the newest `keep`). Called with the lock held."""
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        index = OrderedDict()
-        with open(self.path, "rb") as src, open(tmp, "wb") as dst:
-            for anatomy_id, (offset, length, owner) in self._index.items():
-                src.seek(offset)
-                head = _wrapper_head(anatomy_id, owner) if owner is not None else b""
-                index[anatomy_id] = (dst.tell() + len(head), length, owner)
-                dst.write(head + src.read(length) + (_WRAPPER_TAIL if owner is not None else b"\n"))
-            dst.flush()
-            os.fsync(dst.fileno())
-        self._file.close()
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "ab")
-        self._index, self._lines = index, len(index)
+    def _trim(self) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM anatomies WHERE json IS NOT NULL AND seq <= (SELECT seq FROM anatomies "
+                             "WHERE json IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)", (self.keep,))
 
     def get(self, anatomy_id: str, wait_s: float = 10.0) -> str | None:
-        """The anatomy's JSON text, or None if there is none (waiting up to `wait_s` for one being built)."""
-        deadline = time.monotonic() + wait_s
-        with self._lock:
-            while anatomy_id in self._pending and anatomy_id not in self._index:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._lock.wait(left)
-            where = self._index.get(anatomy_id)
-            if where is None:
+        """The anatomy's JSON text, or None if there is none (waiting up to `wait_s` for one being built, here or
+        in another of the server's processes)."""
+        deadline, pause = time.monotonic() + wait_s, POLL_S[0]
+        while True:
+            row = self._one("SELECT json FROM anatomies WHERE id = ?", (anatomy_id,))
+            if row is None:
                 return None
-            with open(self.path, "rb") as f:
-                f.seek(where[0])
-                return f.read(where[1]).decode()
+            if row[0] is not None:
+                return bytes(row[0]).decode()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, POLL_S[1])
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            self._closed = True
+            self._db.close()
 
+    def _one(self, sql: str, args: tuple = ()):
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
 
-_WRAPPER_TAIL = b"}\n"
-
-
-def _wrapper_head(anatomy_id: str, owner: str | None) -> bytes:
-    return f'{{"id": {json.dumps(anatomy_id)}, "owner": {json.dumps(owner)}, "anatomy": '.encode()
+    def _import_jsonl(self, path: Path) -> None:
+        """Take in the records of an earlier version's anatomies.jsonl (a bare anatomy a line, or {"id", "owner",
+        "anatomy"} for one made with a key), then rename it, so that this happens once."""
+        if not path.exists():
+            return
+        rows, bad = [], 0
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    if "anatomy" in record:
+                        rows.append((record["id"], record["owner"], json.dumps(record["anatomy"]).encode()))
+                    else:
+                        rows.append((record["id"], None, line.rstrip(b"\n")))
+                except (ValueError, KeyError, TypeError):
+                    bad += 1  # a line cut short by a crash
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany("INSERT OR REPLACE INTO anatomies (id, owner, json) VALUES (?, ?, ?)", rows)
+            self._db.execute("COMMIT")
+        os.replace(path, path.with_name(path.name + ".imported"))
+        log.warning("%s: %d anatomies taken into %s%s", path, len(rows), self.path.name,
+                    f" ({bad} unreadable line(s) skipped)" if bad else "")
