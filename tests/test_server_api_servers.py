@@ -195,3 +195,30 @@ def test_sigterm_to_the_group_drains_every_http_process(checkpoint, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) in (0, -signal.SIGTERM)
+
+
+def test_an_http_process_that_cannot_start_leaves_nothing_running(checkpoint, tmp_path, monkeypatch):
+    import multiprocessing
+    import socket
+
+    from llm_anatomy.errors import AnatomyError
+    from llm_anatomy.server import api_servers
+    from llm_anatomy.server.app import build_server
+    from test_server import CEILINGS
+
+    def fails(self, timeout=None):
+        raise AnatomyError("llm-anatomy-http-1 exited while starting (exit code 1)")
+
+    monkeypatch.setattr(api_servers.ApiServers, "wait_ready", fails)
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=1024,
+                                    block_size=16, max_num_seqs=16)
+    port, before = free_port(), set(threading.enumerate())
+    with pytest.raises(AnatomyError, match="exited while starting"):
+        build_server(engine, host="127.0.0.1", port=port, model_names=(MODEL,), ceilings=CEILINGS, run_dir=tmp_path,
+                     telemetry_hz=None, device_why="test", api_server_count=2)
+    deadline = time.monotonic() + 30
+    while any(t.name == "llm-anatomy-engine" for t in set(threading.enumerate()) - before):  # told to stop
+        assert time.monotonic() < deadline, "the engine core still runs"
+        time.sleep(0.05)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("llm-anatomy-http")]
+    socket.create_server(("127.0.0.1", port)).close()  # the port is free again

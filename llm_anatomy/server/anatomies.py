@@ -140,11 +140,15 @@ class AnatomyBuilder:
         self._sender.start()
         self._receiver.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Build what is left (the engine has stopped), then end the child and the threads."""
+    def begin_stop(self) -> None:
+        """Build what is left (the engine has stopped) and end: `stop` waits for it."""
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Build what is left (the engine has stopped), then end the child and the threads."""
+        self.begin_stop()
         for thread in (self._sender, self._receiver):
             if thread.ident is not None:  # started
                 thread.join(timeout)
@@ -423,6 +427,8 @@ class AnatomyBuilders:
             builder.start(wait=False)
 
     def stop(self, timeout: float = 30.0) -> None:
+        for builder in self.builders:  # all of them finish what they hold at once, then each is waited for
+            builder.begin_stop()
         for builder in self.builders:
             builder.stop(timeout)
 

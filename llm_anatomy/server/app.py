@@ -172,7 +172,8 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
                           keep_anatomies=keep_anatomies, anatomy_processes=anatomy_processes,
                           stream_interval=stream_interval)
     sock = listen(host, port)
-    store = metrics = client = api_servers = None
+    store = client = api_servers = None
+    ready = False
     try:
         store = AnatomyStore(settings.run_dir, keep_anatomies)
         metrics = Metrics(model_names[0])
@@ -186,12 +187,15 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
 
             api_servers = ApiServers(settings, client.others, sock)
         client.start(progress)
+        ready = True
         if api_servers is not None:
             api_servers.wait_ready()
     except BaseException:
         if api_servers is not None:
             api_servers.exit()
-            api_servers.join(5)
+            api_servers.join(10)  # their pipes close: the core stops waiting for them
+        if ready:
+            client.stop(30)  # the core started: it ends once told (a load that failed ended it already)
         if store is not None:
             store.close()
         sock.close()
