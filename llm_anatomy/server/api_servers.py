@@ -87,7 +87,8 @@ class ApiServers:
 
 def main(index: int, settings, to_core, from_core, sock, drain, exit_now, ready, parent_pid: int) -> None:
     """Another HTTP process: its client of the engine core over its pipes, its app, uvicorn on the shared socket."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first process says when to go (until uvicorn's own handlers)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the first process says when to go (FollowerServer, once serving)
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"llm-anatomy http {index}: %(message)s", stream=sys.stderr)
     store = AnatomyStore(settings.run_dir, settings.keep_anatomies, clear_pending=False)
     client = EngineClient.connect(to_core, from_core, store, Metrics(settings.model_names[0]))
