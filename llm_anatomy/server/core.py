@@ -295,7 +295,12 @@ class Frontends:
     def stopped(self, index: int) -> bool:
         """This frontend sends nothing more. True once every live one has said so."""
         self.stopping.add(index)
-        return self.live <= self.stopping
+        return self.all_stopped
+
+    @property
+    def all_stopped(self) -> bool:
+        """Every frontend left has said it sends nothing more (False once none is left: the core ends then)."""
+        return bool(self.live) and self.live <= self.stopping
 
     def post_step(self, outputs: list[tuple], failures: list[tuple], gauges: "Gauges") -> None:
         """A step's outputs and failures (each led by its call's id) to their calls' frontends, the gauges to all,
@@ -446,7 +451,7 @@ class EngineCore:
                 except Exception:  # noqa: BLE001
                     log.exception("aborting %s after its HTTP process went failed", call_id)
         self.frontends.gone(index)
-        self._stopping = bool(self.frontends.live) and self.frontends.live <= self.frontends.stopping
+        self._stopping = self.frontends.all_stopped
 
     def _reanchor_clock(self) -> None:
         """While idle (a sync costs nothing), take a fresh device reference: host and device clocks drift."""

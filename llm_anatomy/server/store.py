@@ -27,7 +27,7 @@ from ..anatomy import Anatomy
 
 log = logging.getLogger("llm_anatomy.server")
 BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another process's (each takes well under a millisecond)
-POLL_S = (0.005, 0.05)  # a GET of an anatomy being built looks again after this long, doubling up to the second
+POLL_S = (0.005, 0.05)  # a GET of an anatomy being built looks again after 5 ms, then twice as long, up to 50 ms
 
 
 class AnatomyStore:
@@ -51,7 +51,8 @@ class AnatomyStore:
         if clear_pending:
             self._db.execute("DELETE FROM anatomies WHERE json IS NULL")
         self._import_jsonl(self.dir / "anatomies.jsonl")
-        self._trim()
+        with self._lock:
+            self._trim()
 
     def __len__(self) -> int:
         return self._one("SELECT count(*) FROM anatomies WHERE json IS NOT NULL")[0]
@@ -93,12 +94,12 @@ class AnatomyStore:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO anatomies (id, owner, json) VALUES (?, ?, ?)",
                              (anatomy_id, owner, body))
-        self._trim()
+            self._trim()
 
     def _trim(self) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM anatomies WHERE json IS NOT NULL AND seq <= (SELECT seq FROM anatomies "
-                             "WHERE json IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)", (self.keep,))
+        """Called with the lock held."""
+        self._db.execute("DELETE FROM anatomies WHERE json IS NOT NULL AND seq <= (SELECT seq FROM anatomies "
+                         "WHERE json IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)", (self.keep,))
 
     def get(self, anatomy_id: str, wait_s: float = 10.0) -> str | None:
         """The anatomy's JSON text, or None if there is none (waiting up to `wait_s` for one being built, here or
