@@ -361,8 +361,9 @@ def add_serve(sub) -> None:
                           "to 4; each holds about 0.5 GB); a busy server finishes more calls than one builds, and "
                           "drops the oldest unbuilt")
     srv.add_argument("--api-server-count", type=integer(1, MAX_API_SERVERS), default=1,
-                     help=f"HTTP processes taking requests in on the one port, 1 to {MAX_API_SERVERS} (default 1); at hundreds of "
-                          "streams one process's parsing, tokenizing and streaming keeps the engine waiting")
+                     help=f"HTTP processes taking requests in on the one port, 1 to {MAX_API_SERVERS} (default 1); "
+                          "at hundreds of streams one process's parsing, tokenizing and streaming keeps the engine "
+                          "waiting")
     srv.add_argument("--max-body-bytes", type=integer(1), default=4 << 20,
                      help="request body limit in bytes (default 4194304, 4.19 MB)")
     srv.add_argument("--drain-timeout", type=real(0), default=120.0,

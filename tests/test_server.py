@@ -589,7 +589,8 @@ def test_store_takes_in_an_earlier_versions_jsonl_once(tmp_path):
     (tmp_path / "anatomies.jsonl").write_text("\n".join(lines))
     store = AnatomyStore(tmp_path, keep=10)
     assert store.ids() == ["bare", "wrapped"] and store.owner_of("wrapped") == (True, "hash")
-    assert json.loads(store.get("wrapped"))["id"] == "wrapped" and json.loads(store.get("bare")) == json.loads(a.to_json())
+    assert json.loads(store.get("wrapped"))["id"] == "wrapped"
+    assert json.loads(store.get("bare")) == json.loads(a.to_json())
     assert not (tmp_path / "anatomies.jsonl").exists() and (tmp_path / "anatomies.jsonl.imported").exists()
     store.close()
     assert AnatomyStore(tmp_path, keep=10).ids() == ["bare", "wrapped"]
