@@ -4,6 +4,8 @@ status 2 (no usage block, no traceback), before any work."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from pathlib import Path
 
 
@@ -24,12 +26,48 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def positive_real(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"want a positive number, got {text!r}")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """A comma-separated list of positive whole numbers, e.g. 1,64,256."""
     parts = [p.strip() for p in text.split(",")]
     if not all(p.isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"want comma-separated positive whole numbers, got {text!r}")
     return [int(p) for p in parts]
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs in Linux's list syntax (`taskset -c`'s), e.g. 0-7 or 0,2,8-11: each one this process may run on."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not (first.isdigit() and (last.isdigit() if dash else True)) or (dash and int(last) < int(first)):
+            raise argparse.ArgumentTypeError(f"want CPUs as a list such as 0-7 or 0,2,8-11, got {text!r}")
+        cpus.update(range(int(first), int(last if dash else first) + 1))
+    usable = os.sched_getaffinity(0)
+    if not cpus <= usable:
+        raise argparse.ArgumentTypeError(f"CPU {min(cpus - usable)} is not one this process may run on "
+                                         f"(it may run on {as_cpu_list(usable)})")
+    return cpus
+
+
+def as_cpu_list(cpus) -> str:
+    """CPUs written as cpu_list reads them: runs of neighbours as FIRST-LAST."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def names_from(allowed, what: str):

@@ -12,8 +12,9 @@ and their ratio, failed requests and why, TTFT / TPOT / ITL percentiles as the c
 own view from a sample of the calls' anatomies (TTFT, batch sizes, queueing, stalls), with each sampled client
 TTFT split into its arrival at the server, the server's TTFT and the first token's way back. `--bench-prompts N`
 also runs the product's load generator (`llm-anatomy bench --anatomy`) against the same server at the largest
-level, with each request's TTFT split the same way. A short table comes last; --out
-holds all.
+level, with each request's TTFT split the same way. The clients share the host with the server unless
+`--server-cpus` and `--client-cpus` keep them apart (as clients on a host of their own would be). A short table
+comes last; --out holds all.
 
     python3 benchmarks/serve_sweep.py --levels 1,64,256,512 --shapes 128/128,512/256 --requests-per-stream 4 \
         --out sweep.json
@@ -30,16 +31,19 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from bench_args import Parser, output_file, positive_int, positive_ints
+from bench_args import Parser, as_cpu_list, cpu_list, output_file, positive_int, positive_ints, positive_real
 
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 WINDOW_S = 5.0  # the windows of a level's output tok/s over time (by_window)
 STORE_KEEPS = 1000  # the anatomies a server keeps (serve's --keep-anatomies default, which the sweep leaves)
+CLIENT_START_S = 3.0  # a level's clients start sending this long after they are started (all of them up first)
+PROFILE_DELAY_S = 5.0  # --profile-seconds: a level's window opens this long after its first requests
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -89,9 +93,12 @@ async def _one(client, model: str, ids: list[int], max_tokens: int) -> dict:
 
 
 def _client_process(url: str, model: str, streams: list[tuple[int, list[list[int]]]], max_tokens: int,
-                    start_at: float, out) -> None:
+                    start_at: float, out, cpus: set[int] | None = None) -> None:
     import httpx
     import openai
+
+    if cpus:  # before any work: the clients keep to their CPUs, as on a host of their own
+        os.sched_setaffinity(0, cpus)
 
     async def stream_worker(client, number, queue):
         return [{**await _one(client, model, ids, max_tokens), "stream": number} for ids in queue]
@@ -106,31 +113,32 @@ def _client_process(url: str, model: str, streams: list[tuple[int, list[list[int
             wall, cpu = time.perf_counter(), time.process_time()
             done = await asyncio.gather(*(stream_worker(client, n, q) for n, q in streams))
             busy = (time.process_time() - cpu) / (time.perf_counter() - wall)
-        return [r for rs in done for r in rs], busy
+        return [r for rs in done for r in rs], busy, sorted(os.sched_getaffinity(0))
 
     out.put(asyncio.run(main()))
 
 
 def run_level(url: str, model: str, concurrency: int, requests: list[list[int]], max_tokens: int,
-              processes: int = 8) -> tuple[list, float, list[float]]:
+              processes: int = 8, cpus: set[int] | None = None) -> tuple[list, float, list[float], list[list[int]]]:
     """`concurrency` closed-loop streams over `requests`, split over `processes` client processes (at most one a
-    stream); returns per-request records, the wall time and each client process's CPU share while it ran (near 1:
-    that client's own work may be what paced its streams)."""
+    stream), each kept to `cpus` when given; returns per-request records, the wall time, each client process's CPU
+    share while it ran (near 1: that client's own work may be what paced its streams) and the CPUs it ran on."""
     streams = list(enumerate(closed_loop_streams(requests, concurrency)))
     procs_n = min(processes, concurrency)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    start_at = time.time() + 3.0  # every process up before the first request
-    procs = [ctx.Process(target=_client_process, args=(url, model, streams[p::procs_n], max_tokens, start_at, out))
+    start_at = time.time() + CLIENT_START_S  # every process up before the first request
+    procs = [ctx.Process(target=_client_process, args=(url, model, streams[p::procs_n], max_tokens, start_at, out,
+                                                                 cpus))
              for p in range(procs_n)]
     for p in procs:
         p.start()
     done = [out.get() for _ in procs]
     for p in procs:
         p.join()
-    records = [r for rs, _ in done for r in rs]
+    records = [r for rs, _, _ in done for r in rs]
     wall = max(r["end"] for r in records) - min(r["start"] for r in records)
-    return records, wall, [busy for _, busy in done]
+    return records, wall, [busy for _, busy, _ in done], [ran_on for _, _, ran_on in done]
 
 
 def closed_loop_streams(requests: list, concurrency: int) -> list[list]:
@@ -176,12 +184,14 @@ def client_steady(records: list[dict]) -> dict:
 
 
 # ---- the bare engine ------------------------------------------------------------------------------------------------
-def engine_closed_loop(engine, streams: list[list[list[int]]], max_tokens: int) -> dict:
+def engine_closed_loop(engine, streams: list[list[list[int]]], max_tokens: int, window=None) -> dict:
     """The server's workload on the bare engine: each stream's next request added as soon as its last one ends
-    (no HTTP, no client between them), timed to the last token, with its `steady` part."""
+    (no HTTP, no client between them), timed to the last token, with its `steady` part. `window`: (ProfileWindow,
+    seconds) profiles that long from PROFILE_DELAY_S in, as the server's window of the same level."""
     import torch
 
     params = engine.sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    profiled, opened, (profile, profile_s) = None, False, window or (None, 0.0)
     t0 = time.perf_counter()
     queues = [list(q) for q in streams]
     running = {n: engine.add_request(q.pop(0), params) for n, q in enumerate(queues)}
@@ -202,20 +212,30 @@ def engine_closed_loop(engine, streams: list[list[list[int]]], max_tokens: int) 
                     del running[n]
                     last[n] = now
         tokens_at.append((now, step_tokens))
+        if profile is not None and not opened and now - t0 >= PROFILE_DELAY_S:
+            profile.start()
+            opened = True
+        elif profile is not None and profile.running and now - t0 >= PROFILE_DELAY_S + profile_s:
+            profile.cut()  # here, as the server's core does between steps; its trace is written after the loop
+    if profile is not None and profile.has_window:
+        profiled = profile.stop()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return {"output_tok_s": total / wall, "wall_s": wall,
-            **steady(list(first.values()), list(last.values()), tokens_at)}
+            **steady(list(first.values()), list(last.values()), tokens_at),
+            **({"profile": profiled} if profile is not None else {})}
 
 
 def bare_engine(model: str, levels: list[int], shapes: list[tuple[int, int]], settings: dict,
-                requests_per_stream: int) -> list[dict]:
+                requests_per_stream: int, profile_dir: Path | None = None, profile_s: float = 0.0) -> list[dict]:
     """Per shape and level: that many prompts at once through generate_many, timed to the last token (one batch,
-    ending together); then the same closed loop of streams the server gets (`engine_closed_loop`)."""
+    ending together); then the same closed loop of streams the server gets (`engine_closed_loop`), with a profile
+    window in `profile_dir` when given."""
     import torch
 
     from llm_anatomy import Engine
+    from llm_anatomy.probe.timeline import ProfileWindow
 
     longest = max(p + o for p, o in shapes)
     engine = Engine.from_pretrained(model, weights="synthetic", max_num_seqs=max(levels),
@@ -229,8 +249,10 @@ def bare_engine(model: str, levels: list[int], shapes: list[tuple[int, int]], se
             t0 = time.perf_counter()
             engine.generate_many(batch, max_tokens=max_tokens, temperature=0, ignore_eos=True)
             wall = time.perf_counter() - t0
+            window = (ProfileWindow(profile_dir, engine.device, name=f"bare-{prompt_len}-{max_tokens}-c{c}"),
+                      profile_s) if profile_dir is not None else None
             looped = engine_closed_loop(engine, closed_loop_streams(
-                level_requests(c, requests_per_stream, prompt_len), c), max_tokens)
+                level_requests(c, requests_per_stream, prompt_len), c), max_tokens, window)
             out.append({"shape": f"{prompt_len}/{max_tokens}", "concurrency": c,
                         "output_tok_s": c * max_tokens / wall, "wall_s": wall, "closed_loop": looped})
             print(f"engine {prompt_len}/{max_tokens} c={c}: {out[-1]['output_tok_s']:.0f} tok/s one batch, "
@@ -400,6 +422,31 @@ def render_levels(result: dict) -> str:
                      f"{fixed(lv.get('steady_tok_s'), 0)} / {fixed(lv.get('engine_closed_loop_steady_tok_s'), 0)} | "
                      f"{fixed(lv.get('drain_s'), 1)} / {fixed(lv.get('engine_closed_loop_drain_s'), 1)} | "
                      f"{lv['errors']} | {fixed(lv['ttft_ms'][50], 1)} / {fixed(lv['ttft_ms'][99], 1)} |")
+    profiled = [lv for lv in result["levels"] if lv.get("profile")]
+    if profiled:
+        lines += ["", "Profile windows (--profile-seconds): the device's busy share of the window, its idle time in "
+                  "gaps of 50 us or more, and the kernel time by kind, server / bare engine.",
+                  "| level | shape | busy | idle in gaps ms (gaps) | window s | gemm ms | attention ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for lv in profiled:
+            windows = [lv["profile"].get(side) or {} for side in ("server", "engine")]
+            devices = [w.get("device") or {} for w in windows]
+
+            def both(get) -> str:
+                return " / ".join(get(d) for d in devices)
+
+            def busy(d) -> str:
+                return f"{100 * d['busy_share']:.1f}%" if d.get("busy_share") is not None else "-"
+
+            def gaps(d) -> str:
+                return f"{fixed(d.get('idle_in_gaps_ms'), 0)} ({d.get('gaps', '-')})"
+
+            def kind(name):
+                return lambda d: fixed((d.get("category_ms") or {}).get(name), 0)
+
+            lines.append(f"| {lv['concurrency']} | {lv['shape']} | {both(busy)} | {both(gaps)} | "
+                         f"{' / '.join(fixed(w.get('seconds'), 1) for w in windows)} | {both(kind('gemm'))} | "
+                         f"{both(kind('attention'))} |")
     return "\n".join(lines)
 
 
@@ -413,6 +460,15 @@ def shapes_list(text: str) -> list[tuple[int, int]]:
                                              f"numbers (e.g. 128/128,512/256), got {text!r}")
         shapes.append((int(prompt), int(output)))
     return shapes
+
+
+def profile_seconds(text: str) -> float:
+    from llm_anatomy.probe.timeline import PROFILE_MAX_S
+
+    seconds = positive_real(text)
+    if seconds > PROFILE_MAX_S:
+        raise argparse.ArgumentTypeError(f"want at most {PROFILE_MAX_S:.0f} s (a profile window's limit), got {text!r}")
+    return seconds
 
 
 def port(text: str) -> int:
@@ -446,6 +502,16 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--stream-interval", type=positive_int, help="passed to the server (default: its own)")
     ap.add_argument("--anatomy-processes", type=positive_int, help="passed to the server (default: its own)")
     ap.add_argument("--api-server-count", type=positive_int, help="passed to the server (default: its own)")
+    ap.add_argument("--server-cpus", type=cpu_list,
+                    help="CPUs for the server's processes and the bare engine, e.g. 0-7 (default: all)")
+    ap.add_argument("--client-cpus", type=cpu_list,
+                    help="CPUs for the client processes, e.g. 8-15 (default: all); apart from --server-cpus, the "
+                         "clients take no CPU time from the server, as on a host of their own")
+    ap.add_argument("--profile-seconds", type=profile_seconds,
+                    help=f"profile a window this long of each level, {PROFILE_DELAY_S:.0f} s in, on the server "
+                         "(serve --profile-dir) and on the bare engine's closed loop: the device's busy and idle "
+                         "time side by side, the traces beside --out (the profiler's cost is in those levels' "
+                         "figures)")
     ap.add_argument("--out", type=output_file, default=Path("serve_sweep.json"),
                     help="the results (JSON); the server's log and run directory go beside it")
     args = ap.parse_args(argv)
@@ -479,11 +545,35 @@ def run_bench(url: str, args, out: Path) -> dict:
     return found
 
 
+def profile_server(url: str, delay_s: float, seconds: float, out: dict) -> threading.Thread:
+    """A thread that opens the server's profile window `delay_s` from now and closes it `seconds` later, its
+    answer (or what went wrong) in out["profile"]."""
+    def run() -> None:
+        time.sleep(delay_s)
+        try:
+            httpx.post(f"{url}/start_profile", timeout=30).raise_for_status()
+            time.sleep(seconds)
+            answer = httpx.post(f"{url}/stop_profile", timeout=600)
+            out["profile"] = answer.json() if answer.status_code == 200 else {"error": answer.text[:500]}
+        except httpx.HTTPError as e:
+            out["profile"] = {"error": f"{type(e).__name__}: {e}"}
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict) -> dict:
     prompt_len, max_tokens = shape
     requests = level_requests(c, args.requests_per_stream, prompt_len)
     energy0 = metric(url, "gpu_energy_joules_total")
-    records, wall, client_cpu = run_level(url, args.model, c, requests, max_tokens, args.client_processes)
+    profiled: dict = {}
+    profiler = profile_server(url, CLIENT_START_S + PROFILE_DELAY_S, args.profile_seconds, profiled) \
+        if args.profile_seconds else None
+    records, wall, client_cpu, _ = run_level(url, args.model, c, requests, max_tokens, args.client_processes,
+                                             args.client_cpus)
+    if profiler is not None:
+        profiler.join()
     energy1 = metric(url, "gpu_energy_joules_total")
     ok = [r for r in records if "error" not in r]
     reasons: dict[str, int] = {}
@@ -513,6 +603,9 @@ def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict
         "itl_ms": {q: pct([x * 1e3 for x in itl], q) for q in (50, 90, 99)},
         "joules_per_output_token": (energy1 - energy0) / tokens if energy0 is not None and energy1 and tokens else None,
         "server": server_view(url, ok, args.anatomy_sample),
+        # the device's share of a window of this level, the server's and the bare engine's closed loop's
+        **({"profile": {"server": profiled.get("profile"), "engine": looped.get("profile")}}
+           if args.profile_seconds else {}),
     }
 
 
@@ -530,11 +623,16 @@ def main(argv: list[str] | None = None) -> None:
         result["torch"] = torch.__version__
     except ImportError:
         pass
+    if args.server_cpus:  # the bare engine here, and the server and its processes, which inherit it
+        os.sched_setaffinity(0, args.server_cpus)
+    result.update({f"{who}_cpus": as_cpu_list(cpus) if cpus else "all"
+                   for who, cpus in (("server", args.server_cpus), ("client", args.client_cpus))})
     settings = {"mixed_steps": args.mixed_steps}
     if args.max_num_batched_tokens:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
+    profile_dir = args.out.parent / "profiles" if args.profile_seconds else None
     bare = [] if args.no_baseline else bare_engine(args.model, levels, args.shapes, settings,
-                                                   args.requests_per_stream)
+                                                   args.requests_per_stream, profile_dir, args.profile_seconds or 0)
     result["bare_engine"] = bare
     baseline = {(b["shape"], b["concurrency"]): b for b in bare}
 
@@ -546,12 +644,13 @@ def main(argv: list[str] | None = None) -> None:
     extra += ["--stream-interval", str(args.stream_interval)] if args.stream_interval else []
     extra += ["--anatomy-processes", str(args.anatomy_processes)] if args.anatomy_processes else []
     extra += ["--api-server-count", str(args.api_server_count)] if args.api_server_count else []
+    extra += ["--profile-dir", str(profile_dir)] if profile_dir else []
     longest = max(p + o for p, o in args.shapes)
     extra += ["--kv-cache-tokens", str(max(levels) * (longest + 16))]  # the bare engine's pool, not more
     proc = start_server(args.model, args.port, run_dir, max(levels), args.out.parent / "server.log", extra)
     result["server_start_s"] = time.monotonic() - t_start
     try:
-        run_level(url, args.model, 2, prompts(2, args.shapes[0][0], 7), 16)  # warm the path end to end
+        run_level(url, args.model, 2, prompts(2, args.shapes[0][0], 7), 16, cpus=args.client_cpus)  # warm the path
         for shape in args.shapes:
             for c in levels:
                 level = measure_level(url, args, shape, c, baseline)

@@ -364,6 +364,10 @@ def add_serve(sub) -> None:
                      help=f"HTTP processes taking requests in on the one port, 1 to {MAX_API_SERVERS} (default 1); "
                           "at hundreds of streams one process's parsing, tokenizing and streaming keeps the engine "
                           "waiting")
+    srv.add_argument("--profile-dir", type=output_dir,
+                     help="turn on POST /start_profile and /stop_profile (vLLM's): torch.profiler over the engine "
+                          "core between them, each window's Chrome trace written here and summed up in the answer "
+                          "(device busy and idle time, kernel time by kind); off by default")
     srv.add_argument("--max-body-bytes", type=integer(1), default=4 << 20,
                      help="request body limit in bytes (default 4194304, 4.19 MB)")
     srv.add_argument("--drain-timeout", type=real(0), default=120.0,
@@ -424,7 +428,7 @@ def cmd_serve(args) -> int:
             max_body_bytes=args.max_body_bytes, device_why=why, telemetry_hz=None if args.no_telemetry else 50.0,
             drain_timeout_s=args.drain_timeout, stream_interval=args.stream_interval,
             anatomy_processes=builders, api_server_count=args.api_server_count, log_level=args.log_level,
-            progress=progress.stage)
+            profile_dir=args.profile_dir, progress=progress.stage)
     settle_heap()
     info = client.info
     http = f", {args.api_server_count} HTTP processes" if args.api_server_count > 1 else ""

@@ -301,6 +301,17 @@ def test_check_core_refuses_a_case_longer_than_the_model_before_any_case_runs(sc
     (["--max-num-batched-tokens", "x"], "argument --max-num-batched-tokens: want a positive whole number"),
     (["--out", str(BENCHMARKS)], "argument --out: want a file name"),
     (["--model", "nope"], "unknown model 'nope'"),
+    (["--client-cpus", "8-"], "argument --client-cpus: want CPUs as a list such as 0-7 or 0,2,8-11, got '8-'"),
+    (["--client-cpus", "7-3"], "argument --client-cpus: want CPUs as a list"),
+    (["--server-cpus", "0,,1"], "argument --server-cpus: want CPUs as a list"),
+    (["--server-cpus", "-1"], "argument --server-cpus: want CPUs as a list"),
+    (["--server-cpus", "1e3"], "argument --server-cpus: want CPUs as a list"),
+    (["--server-cpus", "100000"], "argument --server-cpus: CPU 100000 is not one this process may run on"),
+    (["--profile-seconds", "0"], "argument --profile-seconds: want a positive number, got '0'"),
+    (["--profile-seconds", "nan"], "argument --profile-seconds: want a positive number"),
+    (["--profile-seconds", "inf"], "argument --profile-seconds: want a positive number"),
+    (["--profile-seconds", "x"], "argument --profile-seconds: want a positive number"),
+    (["--profile-seconds", "31"], "argument --profile-seconds: want at most 30 s"),
 ])
 def test_serve_sweep_refuses_bad_input_with_one_line(scripts, capsys, argv, message):
     assert message in refused(scripts("serve_sweep").main, argv, capsys)
@@ -429,8 +440,9 @@ def test_serve_sweep_level_splits_the_streams_over_client_processes(scripts, ser
     monkeypatch.setitem(sys.modules, "serve_sweep", sweep)  # the client processes import it by name
     server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.005, chunks=3, anatomy=True)
     requests = [[1, 2, i] for i in range(6)]
-    records, wall, busy = sweep.run_level(server.url, "tiny", 3, requests, 3, processes=2)
+    records, wall, busy, ran_on = sweep.run_level(server.url, "tiny", 3, requests, 3, processes=2)
     assert len(records) == 6 and all("error" not in r for r in records) and wall > 0
+    assert ran_on == [sorted(os.sched_getaffinity(0))] * 2  # no --client-cpus: where the sweep may run
     # each request's body holds its own token ids as the prompt (sent through extra_body, as they are)
     assert sorted(b["prompt"] for b in server.bodies if "prompt" in b) == sorted(requests)
     assert sorted(r["stream"] for r in records) == [0, 0, 1, 1, 2, 2]
@@ -438,6 +450,9 @@ def test_serve_sweep_level_splits_the_streams_over_client_processes(scripts, ser
     view = sweep.server_view(server.url, records)  # the fake's anatomies start when their requests arrived
     assert view["anatomies"] == 6 and 0 <= view["arrival_ms_p50"] < 1000
     assert len(sweep.run_level(server.url, "tiny", 1, requests[:2], 3, processes=4)[2]) == 1
+    one = {max(os.sched_getaffinity(0))}  # --client-cpus: each client process keeps to them
+    records, _, _, ran_on = sweep.run_level(server.url, "tiny", 2, requests[:2], 3, processes=2, cpus=one)
+    assert len(records) == 2 and ran_on == [sorted(one)] * 2
 
 
 def test_serve_sweep_table(scripts):
@@ -473,6 +488,14 @@ def test_serve_sweep_table(scripts):
                                engine_closed_loop_steady_tok_s=5700.0, engine_closed_loop_drain_s=0.5)
     assert sweep.render_levels(result).splitlines()[-2] == (
         "| 64 | 512/256 | 6451 / 5600 | 5294 | 82%, 95% | 5500 / 5700 | 1.2 / 0.5 | 0 | 653.9 / 1574.3 |")
+    # --profile-seconds: the windows' table after it, server / bare engine, a side without its window as "-"
+    result["levels"][0]["profile"] = {
+        "server": {"seconds": 5.02, "device": {"busy_share": 0.8912, "idle_in_gaps_ms": 420.4, "gaps": 311,
+                                                "category_ms": {"gemm": 3001.2, "attention": 650.7}}},
+        "engine": {"error": "HTTPStatusError: 404"}}
+    lines = sweep.render_levels(result).splitlines()
+    assert lines[-3].startswith("| level | shape | busy | idle in gaps ms (gaps) | window s |")
+    assert lines[-1] == "| 64 | 512/256 | 89.1% / - | 420 (311) / - (-) | 5.0 / - | 3001 / - | 651 / - |"
     assert sweep.shapes_list("128/128, 512/256") == [(128, 128), (512, 256)]
     assert sweep.pct([], 50) is None and sweep.pct([3.0, 1.0, 2.0], 50) == 2.0
 
@@ -517,3 +540,30 @@ def test_serve_sweep_engine_closed_loop_runs_each_streams_requests_in_turn(scrip
     assert all(before <= 1 for _, before in added)  # the other stream's request at most: never 3 in flight
     assert found["output_tok_s"] == pytest.approx(5 * 3 / found["wall_s"])
     assert found["steady_s"] > 0 and found["steady_tok_s"] > 0 and found["drain_s"] >= 0
+
+
+def test_serve_sweep_profiles_a_window_of_the_bare_engines_loop(scripts, tiny_checkpoint, tmp_path, monkeypatch):
+    """--profile-seconds on the bare engine: the window opens PROFILE_DELAY_S in and its trace is written after the
+    loop; the loop's figures come back as without it."""
+    from llm_anatomy import Engine
+    from llm_anatomy.probe.timeline import ProfileWindow
+
+    sweep = scripts("serve_sweep")
+    monkeypatch.setattr(sweep, "PROFILE_DELAY_S", 0.0)
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256,
+                                    max_num_seqs=4)
+    window = ProfileWindow(tmp_path / "profiles", engine.device, name="bare-test")
+    found = sweep.engine_closed_loop(engine, sweep.closed_loop_streams([[i, 5, 6] for i in range(4)], 2), 3,
+                                     (window, 60.0))
+    assert found["output_tok_s"] == pytest.approx(4 * 3 / found["wall_s"])
+    profile = found["profile"]
+    assert profile["host_ops"] > 0 and profile["device"] is None and 0 < profile["seconds"] <= found["wall_s"]
+    assert (tmp_path / "profiles").is_dir() and profile["trace"].startswith(str(tmp_path / "profiles" / "bare-test"))
+    assert "profile" not in sweep.engine_closed_loop(engine, [[[1, 5, 6]]], 2)
+
+
+def test_serve_sweep_profile_of_a_server_without_one_says_why(scripts, server):
+    sweep = scripts("serve_sweep")
+    out: dict = {}
+    sweep.profile_server(server.url, 0.0, 0.01, out).join(30)
+    assert "404" in out["profile"]["error"]  # the fake has no /start_profile

@@ -454,6 +454,8 @@ def test_body_size_limit_and_api_key(checkpoint, tmp_path):
         for path in ("/v1/models", "/metrics", "/v1/anatomy/x"):
             r = httpx.get(running.url + path)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/start_profile", "/stop_profile"):  # the profiler is the operator's
+            assert httpx.post(running.url + path).status_code == 401
         assert httpx.get(running.url + "/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 401
         with pytest.raises(openai.AuthenticationError):
             running.client(api_key="wrong").models.list()
@@ -475,6 +477,43 @@ def test_body_size_limit_and_api_key(checkpoint, tmp_path):
         assert r.status_code == 413
     finally:
         running.stop()
+
+
+def test_profile_windows_of_the_engine_core(checkpoint, tmp_path):
+    """POST /start_profile and /stop_profile (serve --profile-dir): a window's trace written and summed up, the
+    wrong order refused with OpenAI's error shape, the server serving throughout."""
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256)
+    running = Running(engine, tmp_path / "run", profile_dir=tmp_path / "traces")
+    try:
+        r = httpx.post(f"{running.url}/stop_profile")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "profile_state"
+        assert "POST /start_profile first" in r.json()["error"]["message"]
+        r = httpx.post(f"{running.url}/start_profile")
+        assert r.status_code == 200 and r.json()["status"] == "started"
+        r = httpx.post(f"{running.url}/start_profile")
+        assert r.status_code == 409 and "already running" in r.json()["error"]["message"]
+        assert chat(running, max_tokens=3, extra_body=NO_EOS).usage.completion_tokens == 3
+        r = httpx.post(f"{running.url}/stop_profile", timeout=60)
+        assert r.status_code == 200, r.text
+        window = r.json()
+        assert window["host_ops"] > 0 and window["device"] is None and window["seconds"] > 0
+        trace = tmp_path / "traces" / window["trace"].rsplit("/", 1)[1]
+        assert trace.is_file() and trace.name.startswith("engine-core-")
+        assert httpx.post(f"{running.url}/stop_profile").status_code == 409
+        assert httpx.get(f"{running.url}/v1/start_profile").status_code == 404
+        assert httpx.get(f"{running.url}/start_profile").status_code == 405
+        assert chat(running, max_tokens=2, extra_body=NO_EOS).usage.completion_tokens == 2
+    finally:
+        running.stop()
+
+
+def test_profile_is_off_without_a_profile_dir(server):
+    for path in ("/start_profile", "/stop_profile"):
+        r = httpx.post(server.url + path)
+        assert r.status_code == 404
+        error = r.json()["error"]
+        assert error["code"] == "profiler_off" and "--profile-dir" in error["message"]
+        assert error["type"] == "invalid_request_error"
 
 
 # ---- faults -----------------------------------------------------------------------------------------------------------
@@ -643,6 +682,8 @@ def test_tools_reach_the_template(server):
     (["--api-server-count", "65"], "--api-server-count must be <= 64"),
     (["--api-server-count", "2.5"], "--api-server-count must be an integer"),
     (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+    (["--profile-dir", __file__], "--profile-dir is not a directory"),
+    (["--profile-dir", ""], "--profile-dir is empty"),
     (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be >= 1"),
     (["--gpu-memory-utilization", "0.5"], "cannot be used on the CPU"),
     (["--api-key", " "], "--api-key is empty"),

@@ -45,6 +45,8 @@ def test_each_frontend_hears_of_its_own_calls_and_everyone_of_the_figures():
         frontends(("anatomy", "a", {"id": "a"}, b"{}", 1.5, 0.01, False))
         assert reads[0].recv() == ("anatomy", "a", {"id": "a"}, b"{}", 1.5, 0.01, False)
         assert reads[1].recv() == ("built", 1.5, 0.01, False) and frontends.owner == {}
+        frontends.reply(1, ("profiled", 7, 200, {"status": "started"}))  # an answer goes to the one that asked
+        assert reads[1].recv() == ("profiled", 7, 200, {"status": "started"}) and not reads[0].poll(0.05)
         sends[1].send(("add", None))
         assert frontends.ready(1.0) == [1] and frontends.recv(1) == ("add", None)
         sends[0].send(None)
@@ -57,6 +59,7 @@ def test_each_frontend_hears_of_its_own_calls_and_everyone_of_the_figures():
             frontends.recv(1)
         frontends.gone(1)
         assert frontends.live == {0} and frontends.stopping == {0}  # the one left has said stop: the core may go
+        frontends.reply(1, ("profiled", 8, 200, {}))  # to one gone: lost, nothing raised
         frontends(("stopped",))
         assert reads[0].recv() == ("stopped",)
         with pytest.raises(EOFError, match="every HTTP process is gone"):

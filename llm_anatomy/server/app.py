@@ -150,7 +150,7 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
                  api_keys: tuple[str, ...] = (), api_key: str | None = None, max_body_bytes: int = 4 << 20,
                  device_why: str = "", telemetry_hz: float | None = 50.0, drain_timeout_s: float = 120.0,
                  stream_interval: int = 1, anatomy_processes: int = 1, api_server_count: int = 1,
-                 log_level: str = "warning", progress=None, switch_interval_s: float | None = SWITCH_INTERVAL_S,
+                 profile_dir: str | Path | None = None, log_level: str = "warning", progress=None, switch_interval_s: float | None = SWITCH_INTERVAL_S,
                  gc_threshold: int | None = SERVING_GC_THRESHOLD) -> tuple[DrainingServer, EngineClient]:
     """The uvicorn server and its engine client, the engine core started and ready (AnatomyError if it could not
     start). `engine`: an EngineSpec runs the core in a process of its own (what `llm-anatomy serve` does; its
@@ -160,7 +160,8 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
     `calibrate`. `api_keys`: the accepted keys (`api_key`, one more); none: no key needed. `stream_interval`:
     tokens per streamed chunk at most (core.py). `anatomy_processes`: the anatomy builders' processes
     (anatomies.py). `api_server_count`: HTTP processes taking requests in on the one socket (this one and
-    api_servers.py's others)."""
+    api_servers.py's others). `profile_dir`: POST /start_profile and /stop_profile profile the engine core and
+    write their traces there (None: they answer 404)."""
     if not isinstance(engine, (EngineSpec, Engine)):
         raise TypeError(f"engine must be an EngineSpec or an Engine, got {type(engine).__name__}")
     if not isinstance(api_server_count, int) or not 1 <= api_server_count <= MAX_API_SERVERS:
@@ -170,7 +171,8 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
                                 drain_timeout_s, log_level, switch_interval_s, gc_threshold)
     options = CoreOptions(ceilings=ceilings, calibrate=calibrate, device_why=device_why, telemetry_hz=telemetry_hz,
                           keep_anatomies=keep_anatomies, anatomy_processes=anatomy_processes,
-                          stream_interval=stream_interval)
+                          stream_interval=stream_interval,
+                          profile_dir=str(Path(profile_dir).expanduser()) if profile_dir is not None else None)
     sock = listen(host, port)
     store = client = api_servers = None
     ready = False

@@ -10,7 +10,8 @@ same core on a thread of that process (`run_core`). Either way the two sides spe
 its own pair, and `Frontends` routes the core's messages (who gets what: its docstring):
 
   HTTP -> core  ("add", CallSpec), ("abort", id),
-                ("want", id) (build this anatomy next), None (stop once what runs has finished)
+                ("want", id) (build this anatomy next), ("profile", token, "start" | "stop") (the profiler,
+                answered by ("profiled", token, status, result)), None (stop once what runs has finished)
   core -> HTTP  ("progress", stage) while the engine loads, then ("ready", EngineInfo) or ("failed", why);
                 ("step", outputs, failures, Gauges): one message per step for all its calls;
                 ("finished", [CallStats]) and ("anatomy", id, summary, json, joules, seconds, dropped) from the
@@ -46,6 +47,7 @@ from ..errors import AnatomyError, RequestError
 from ..probe.call import Marks
 from ..probe.clock import Clock
 from ..probe.recorder import Recorder
+from ..probe.timeline import ProfileError, ProfileWindow
 from ..tokenizer import Tokenizer
 from .anatomies import AnatomyBuilders
 from .protocol import Request
@@ -83,6 +85,7 @@ class CoreOptions:
     stream_interval: int = 1  # a stream hears of its first token at once, then of new ones every this many (and
     # at its end); above 1, fewer chunks to write per step at large batches, in larger pieces (SGLang's
     # --stream-interval)
+    profile_dir: str | None = None  # where POST /stop_profile writes its traces; None: no profiling (404)
 
     def __post_init__(self):
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
@@ -332,6 +335,11 @@ class Frontends:
         if not any(sent):
             raise OSError("no HTTP process took the engine core's message")
 
+    def reply(self, index: int, message) -> None:
+        """An answer to what frontend `index` asked, to it alone, waiting until it is sent (lost if it is gone)."""
+        if index in self.live:
+            self._send(index, message)
+
     def _send(self, index: int, message) -> bool:
         try:
             self.senders[index](message)
@@ -382,6 +390,9 @@ class EngineCore:
         self._stopping = False
         self.failed_steps = 0
         self.last_failure: str | None = None
+        self.profile = (ProfileWindow(options.profile_dir, engine.device, name="engine-core")
+                        if options.profile_dir else None)
+        self._profile_writer: threading.Thread | None = None  # writing the last window's trace
 
     def run(self) -> None:
         """Until told to stop by every HTTP process (and what runs has finished), or until their pipes close."""
@@ -392,6 +403,7 @@ class EngineCore:
                     self._step()
                 self._hand_over_finished()
                 self._flush()
+                self._cut_expired_profile()
 
     def _take_inbox(self, block: bool) -> bool:
         """Admit new calls and process aborts. False once told to stop and nothing is left to run."""
@@ -406,6 +418,7 @@ class EngineCore:
                     if self._stopping:
                         return False
                     self._flush(idle=True)
+                    self._cut_expired_profile()
                     continue
                 return True
             block = False
@@ -427,6 +440,9 @@ class EngineCore:
         if what == "want":
             self.anatomy_builders.want(item[1])
             return
+        if what == "profile":
+            self._profile(index, *item[1:])
+            return
         call = CoreCall(**vars(item[1])) if what == "add" else self._calls.get(item[1])
         if call is None:  # an abort for a call already over
             return
@@ -438,6 +454,43 @@ class EngineCore:
                 self.engine.abort(call.seq)
         except Exception as e:  # noqa: BLE001 - this call alone fails
             self._fail(call, e, "admitting" if what == "add" else "aborting")
+
+    def _cut_expired_profile(self) -> None:
+        if self.profile is not None and self.profile.expired:
+            self.profile.cut()  # kept for /stop_profile
+
+    def _profile(self, index: int, token: int, action: str) -> None:
+        """POST /start_profile and /stop_profile from frontend `index`. A window's trace is written by a thread
+        (seconds for a busy one) while the loop serves on; its answer follows from that thread."""
+        def answer(status: int, result) -> None:
+            self.frontends.reply(index, ("profiled", token, status, result))
+
+        if self.profile is None:
+            answer(404, "the profiler is off: start the server with --profile-dir DIR")
+        elif self._profile_writer is not None and self._profile_writer.is_alive():
+            answer(409, "the last profile's trace is still being written: try again in a few seconds")
+        elif action == "start":
+            try:
+                answer(200, self.profile.start())
+            except ProfileError as e:
+                answer(409, str(e))
+        elif action == "stop":
+            if not self.profile.has_window:
+                answer(409, "no profile is running: POST /start_profile first")
+                return
+            self.profile.cut()  # on this thread: the window ends here, between steps
+
+            def write() -> None:
+                try:
+                    answer(200, self.profile.stop())
+                except Exception as e:  # noqa: BLE001 - the profile is lost, nothing else
+                    log.exception("writing the profile failed")
+                    answer(500, f"writing the profile failed: {type(e).__name__}: {e}")
+
+            self._profile_writer = threading.Thread(target=write, name="llm-anatomy-profile-writer", daemon=True)
+            self._profile_writer.start()
+        else:
+            answer(400, f"unknown profile action {action!r}")
 
     def _frontend_gone(self, index: int) -> None:
         """An HTTP process is gone (its pipe closed): nobody waits for its calls any more, their KV blocks are

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import queue
@@ -115,6 +116,8 @@ class EngineClient:
         self.started_at = time.time()
         self.error: str | None = None  # why the core stopped serving (set once)
         self._calls: dict[str, Call] = {}  # from submit until its anatomy is done with (or it failed for good)
+        self._profiles: dict[int, asyncio.Future] = {}  # /start_profile and /stop_profile waiting for the core
+        self._profile_tokens = itertools.count()
         self._gauges: Gauges | None = None
         self._stopping = False
         self._worker = None  # the core's process or thread
@@ -299,6 +302,18 @@ class EngineClient:
         if not call.done and call.id in self._calls:
             self._outbox.put(("abort", call.id))
 
+    async def profile(self, action: str) -> tuple[int, object]:
+        """The core's profiler ("start" or "stop", core.EngineCore._profile): (HTTP status, its answer)."""
+        if self.error is not None:
+            raise unavailable(f"the engine stopped: {self.error}")
+        token = next(self._profile_tokens)
+        answer = self._profiles[token] = asyncio.get_running_loop().create_future()
+        self._outbox.put(("profile", token, action))
+        try:
+            return await answer
+        finally:
+            self._profiles.pop(token, None)
+
     def want(self, anatomy_id: str) -> None:
         """Someone waits for this anatomy: the builder takes it next."""
         self._outbox.put(("want", anatomy_id))
@@ -346,6 +361,8 @@ class EngineClient:
             self._anatomy(*message[1:])
         elif what == "built":  # a call of another HTTP process: its figures alone
             self._built(*message[1:])
+        elif what == "profiled":
+            self._on_loop(self._profiled, *message[1:])
         elif what == "restarted":
             self.metrics.anatomy_builder_restarts.labels(self.metrics.model).inc()
         elif what == "died":
@@ -404,6 +421,11 @@ class EngineClient:
         if dropped:
             self.metrics.anatomies_dropped.labels(self.metrics.model).inc()
 
+    def _profiled(self, token: int, status: int, result) -> None:
+        answer = self._profiles.get(token)
+        if answer is not None and not answer.done():
+            answer.set_result((status, result))
+
     def _anatomy_done(self, call_id: str, summary: dict | None) -> None:
         """On the event loop, after the step messages before it: the call is over."""
         call = self._calls.pop(call_id, None)
@@ -429,6 +451,9 @@ class EngineClient:
             self._on_loop(self._fail_all, why)
 
     def _fail_all(self, why: str) -> None:
+        for answer in self._profiles.values():
+            if not answer.done():
+                answer.set_exception(unavailable(f"the engine stopped: {why}"))
         calls, self._calls = self._calls, {}
         for call in calls.values():
             self.store.give_up(call.id)
