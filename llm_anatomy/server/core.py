@@ -336,9 +336,9 @@ class Frontends:
             raise OSError("no HTTP process took the engine core's message")
 
     def reply(self, index: int, message) -> None:
-        """An answer to what frontend `index` asked, to it alone, waiting until it is sent (lost if it is gone)."""
+        """An answer to what frontend `index` asked, to it alone, without waiting (lost if it is gone)."""
         if index in self.live:
-            self._send(index, message)
+            self._post(index, message)
 
     def _send(self, index: int, message) -> bool:
         try:
@@ -463,7 +463,10 @@ class EngineCore:
         """POST /start_profile and /stop_profile from frontend `index`. A window's trace is written by a thread
         (seconds for a busy one) while the loop serves on; its answer follows from that thread."""
         def answer(status: int, result) -> None:
-            self.frontends.reply(index, ("profiled", token, status, result))
+            try:
+                self.frontends.reply(index, ("profiled", token, status, result))
+            except OSError:  # the HTTP side is gone (the step loop finds out from its inbox): nobody asks any more
+                pass
 
         if self.profile is None:
             answer(404, "the profiler is off: start the server with --profile-dir DIR")
