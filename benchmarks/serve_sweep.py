@@ -217,11 +217,11 @@ def engine_closed_loop(engine, streams: list[list[list[int]]], max_tokens: int, 
             opened = True
         elif profile is not None and profile.running and now - t0 >= PROFILE_DELAY_S + profile_s:
             profile.cut()  # here, as the server's core does between steps; its trace is written after the loop
-    if profile is not None and profile.has_window:
-        profiled = profile.stop()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    if profile is not None and profile.has_window:
+        profiled = profile.stop()  # the trace written after the clock (seconds, for a busy window)
     return {"output_tok_s": total / wall, "wall_s": wall,
             **steady(list(first.values()), list(last.values()), tokens_at),
             **({"profile": profiled} if profile is not None else {})}

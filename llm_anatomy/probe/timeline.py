@@ -1,11 +1,12 @@
 """A window of a running engine's work under torch.profiler: what the GPU ran, and how long it had nothing to run.
 
-A served call's anatomy times its own steps; what it cannot see is the device between steps while hundreds of
-calls come and go (the host's per-step work, intake, prefills cut into decode). `ProfileWindow` records whatever
-the engine does between `start` and `stop` (the server's POST /start_profile and /stop_profile, vLLM's names),
-writes the Chrome trace (chrome://tracing, Perfetto) and sums it up: the device's busy time as the union of its
-kernels' and copies' intervals, its idle time and the part of it in gaps long enough to be the host's, kernel time
-by category (kernels.categorize). A window is cut at `max_s`: the profiler keeps every event in memory.
+A served call's anatomy times its own steps; what it cannot see is the device between steps while hundreds of calls
+come and go (the host's per-step work, intake, prefills cut into decode). `ProfileWindow` records whatever the
+engine does between `start` and `stop` (the server's POST /start_profile and /stop_profile, vLLM's names), writes
+the Chrome trace (chrome://tracing, Perfetto) and sums it up: the device's busy time as the union of its kernels'
+and copies' intervals, its idle time and the part of it in gaps long enough to be the host's, kernel time by
+category (kernels.categorize). A window is cut at `max_s`: the profiler keeps every event in memory. On a GPU only
+the device's activity is recorded (and the runtime calls that launched it); on a CPU, the host's ops.
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ class ProfileWindow:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)  # the window holds what is launched from now on
-        prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        # On a GPU the device's activity alone (kernels, copies, and the CUDA runtime's calls that launched them):
+        # recording every host op too lengthens the host's work a step (benchmarks/README.md), and the device
+        # waiting for the host is what a window is there to see.
+        prof = profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
         prof.start()
         self._prof, self._started_ns, self._ended_ns = prof, time.perf_counter_ns(), 0
         return {"status": "started", "max_s": self.max_s}
@@ -116,11 +120,11 @@ class ProfileWindow:
         events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
         device = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in events
                   if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
-        host_ops = sum(1 for e in events if e.device_type() == torch.autograd.DeviceType.CPU)
+        host_events = sum(1 for e in events if e.device_type() == torch.autograd.DeviceType.CPU)
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{started % 10**6:06d}.json.gz"
         prof.export_chrome_trace(str(path))
         window_ns = ended - started
         return {"trace": str(path), "seconds": window_ns / 1e9, "cut_at_max": window_ns > self.max_s * 1e9,
-                "host_ops": host_ops,
+                "host_events": host_events,
                 "device": device_summary(device, window_ns) if self.device.type == "cuda" else None}

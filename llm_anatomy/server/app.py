@@ -150,7 +150,8 @@ def build_server(engine: Engine | EngineSpec, *, host: str, port: int, model_nam
                  api_keys: tuple[str, ...] = (), api_key: str | None = None, max_body_bytes: int = 4 << 20,
                  device_why: str = "", telemetry_hz: float | None = 50.0, drain_timeout_s: float = 120.0,
                  stream_interval: int = 1, anatomy_processes: int = 1, api_server_count: int = 1,
-                 profile_dir: str | Path | None = None, log_level: str = "warning", progress=None, switch_interval_s: float | None = SWITCH_INTERVAL_S,
+                 profile_dir: str | Path | None = None, log_level: str = "warning", progress=None,
+                 switch_interval_s: float | None = SWITCH_INTERVAL_S,
                  gc_threshold: int | None = SERVING_GC_THRESHOLD) -> tuple[DrainingServer, EngineClient]:
     """The uvicorn server and its engine client, the engine core started and ready (AnatomyError if it could not
     start). `engine`: an EngineSpec runs the core in a process of its own (what `llm-anatomy serve` does; its
