@@ -37,6 +37,8 @@ class Behaviour:
     models_status: int = 200
     slow_from_call: int = 0  # from this completion request on, the first chunk waits slow_ttft_s instead
     slow_ttft_s: float = 0.0
+    profiler: str = "off"  # POST /start_profile and /stop_profile: "off" (404), "vllm" (200, empty), "anatomy"
+    # (200, a JSON answer, as llm-anatomy's), "broken-stop" (the stop answers 500)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Fake:
     counters: dict = field(default_factory=lambda: dict(preemptions=0, hits=0, queries=0, generated=0,
                                                         ttft_sum=0.0, ttft_count=0))
     arrivals: dict = field(default_factory=dict)  # anatomy id -> the wall clock when its request arrived
+    profiles: list = field(default_factory=list)  # (action, completion requests received by then)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -73,6 +76,21 @@ class Fake:
                      f'vllm:time_to_first_token_seconds_sum{{model_name="{MODEL}"}} {c["ttft_sum"]}',
                      f'vllm:time_to_first_token_seconds_count{{model_name="{MODEL}"}} {c["ttft_count"]}']
             return PlainTextResponse("\n".join(lines) + "\n")
+
+        @app.post("/{action}_profile")
+        async def profile(action: str):
+            if self.behaviour.profiler == "off" or action not in ("start", "stop"):
+                return JSONResponse({"error": {"message": "the profiler is off", "type": "invalid_request_error",
+                                               "param": None, "code": "profiler_off"}}, 404)
+            self.profiles.append((action, self.calls))
+            if self.behaviour.profiler == "broken-stop" and action == "stop":
+                return JSONResponse({"error": {"message": "trace lost", "type": "server_error", "param": None,
+                                               "code": None}}, 500)
+            if self.behaviour.profiler == "vllm":
+                return Response(status_code=200)
+            answer = {"status": "started"} if action == "start" else {"trace": f"/tmp/trace-{len(self.profiles)}",
+                                                                       "device": {"busy_share": 0.9}}
+            return answer
 
         @app.get("/v1/anatomy/{anatomy_id}")
         async def anatomy(anatomy_id: str):
@@ -168,7 +186,7 @@ def fake():
 @pytest.fixture
 def server(fake):
     """The fake with default behaviour and nothing recorded."""
-    fake.behaviour, fake.bodies, fake.calls = Behaviour(), [], 0
+    fake.behaviour, fake.bodies, fake.calls, fake.profiles = Behaviour(), [], 0, []
     return fake
 
 
@@ -305,6 +323,42 @@ def test_anatomy_join(server, tmp_path):
         assert 0 <= row["arrival_ms"] < 1000
         assert row["arrival_ms"] + row["server_ttft_ms"] + row["delivery_ms"] == pytest.approx(row["client_ttft_ms"])
     assert lv["arrival_ms"]["p50"] is not None and lv["delivery_ms"]["p50"] is not None
+
+
+@pytest.mark.parametrize("profiler", ["anatomy", "vllm"])
+def test_profile_brackets_each_level_with_the_servers_profiler(server, tmp_path, profiler):
+    """--profile: POST /start_profile before a level's first request and /stop_profile after its last, the
+    server's answer (llm-anatomy's summary, vLLM's empty body) in the level, with a note that it was profiled."""
+    server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.002, chunks=2, profiler=profiler)
+    run = bench(server, tmp_path, "--concurrency", "1,2", "--num-prompts", "3", "--output-tokens", "2",
+                "--scrape-interval", "0", "--profile")
+    # the probe request is number 1; each level sends 3
+    assert server.profiles == [("start", 1), ("stop", 4), ("start", 4), ("stop", 7)]
+    assert run["settings"]["profile"] is True
+    for i, lv in enumerate(run["levels"]):
+        assert lv["completed"] == 3
+        if profiler == "anatomy":
+            assert lv["profile"] == {"trace": f"/tmp/trace-{2 * i + 2}", "device": {"busy_share": 0.9}}
+            assert any(n.endswith(f"; trace: /tmp/trace-{2 * i + 2}") for n in lv["notes"])
+        else:
+            assert lv["profile"] == {"answer": None} and any("profiler ran through" in n for n in lv["notes"])
+
+
+def test_profile_whose_stop_fails_keeps_the_levels_figures(server, tmp_path):
+    server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.002, chunks=2, profiler="broken-stop")
+    run = bench(server, tmp_path, "--concurrency", "2", "--num-prompts", "2", "--output-tokens", "2",
+                "--scrape-interval", "0", "--profile")
+    lv = run["levels"][0]
+    assert lv["completed"] == 2 and lv["profile"] == {"error": "POST /stop_profile answered 500: trace lost"}
+    assert "POST /stop_profile answered 500: trace lost" in lv["notes"]
+
+
+def test_profile_against_a_server_without_a_profiler_stops_before_the_load(server, capsys):
+    server.behaviour = Behaviour(ttft_s=0.01, itl_s=0.002, chunks=2)
+    assert main([server.url, "--gpus", "none", "--concurrency", "1", "--num-prompts", "2", "--profile"]) == 2
+    err = capsys.readouterr().err
+    assert "--profile: POST /start_profile answered 404 (the profiler is off)" in err and "--profile-dir" in err
+    assert len(err.strip().splitlines()) == 1 and server.calls == 1  # the probe alone, no level's request
 
 
 def test_anatomy_against_another_server_is_refused(server, tmp_path, capsys):

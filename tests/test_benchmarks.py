@@ -557,7 +557,7 @@ def test_serve_sweep_profiles_a_window_of_the_bare_engines_loop(scripts, tiny_ch
                                      (window, 60.0))
     assert found["output_tok_s"] == pytest.approx(4 * 3 / found["wall_s"])
     profile = found["profile"]
-    assert profile["host_ops"] > 0 and profile["device"] is None and 0 < profile["seconds"] <= found["wall_s"]
+    assert profile["host_events"] > 0 and profile["device"] is None and 0 < profile["seconds"] <= found["wall_s"]
     assert (tmp_path / "profiles").is_dir() and profile["trace"].startswith(str(tmp_path / "profiles" / "bare-test"))
     assert "profile" not in sweep.engine_closed_loop(engine, [[[1, 5, 6]]], 2)
 

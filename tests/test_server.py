@@ -496,13 +496,22 @@ def test_profile_windows_of_the_engine_core(checkpoint, tmp_path):
         r = httpx.post(f"{running.url}/stop_profile", timeout=60)
         assert r.status_code == 200, r.text
         window = r.json()
-        assert window["host_ops"] > 0 and window["device"] is None and window["seconds"] > 0
+        assert window["host_events"] > 0 and window["device"] is None and window["seconds"] > 0
         trace = tmp_path / "traces" / window["trace"].rsplit("/", 1)[1]
         assert trace.is_file() and trace.name.startswith("engine-core-")
         assert httpx.post(f"{running.url}/stop_profile").status_code == 409
         assert httpx.get(f"{running.url}/v1/start_profile").status_code == 404
         assert httpx.get(f"{running.url}/start_profile").status_code == 405
         assert chat(running, max_tokens=2, extra_body=NO_EOS).usage.completion_tokens == 2
+        # `llm-anatomy bench --profile` brackets its level with the two, the window's answer in the level
+        from llm_anatomy.bench.cli import main as bench
+
+        out = tmp_path / "bench.json"
+        assert bench([running.url, "--concurrency", "1", "--num-prompts", "2", "--input-tokens", "8",
+                      "--output-tokens", "3", "--gpus", "none", "--profile", "--json", str(out)]) == 0
+        level = json.loads(out.read_text())["levels"][0]
+        assert level["completed"] == 2 and level["profile"]["host_events"] > 0
+        assert (tmp_path / "traces" / level["profile"]["trace"].rsplit("/", 1)[1]).is_file()
     finally:
         running.stop()
 

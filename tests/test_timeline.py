@@ -52,7 +52,7 @@ def test_a_window_writes_its_trace_and_refuses_the_wrong_order(tmp_path):
         a = (a @ a).tanh()
     result = window.stop()
     assert not window.running and not window.has_window
-    assert result["host_ops"] >= 6 and result["device"] is None and not result["cut_at_max"]
+    assert result["host_events"] >= 6 and result["device"] is None and not result["cut_at_max"]
     assert 0 < result["seconds"] < 60
     with gzip.open(result["trace"]) as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
@@ -107,6 +107,7 @@ def test_a_window_on_the_gpu_sees_its_kernels_also_inside_a_cuda_graph(tmp_path)
         graph.replay()
     result = window.stop()
     d = result["device"]
-    assert b.shape == a.shape and d["activities"] >= 20  # 5 eager matmuls, 5 replays of a matmul and a copy
+    assert b.shape == a.shape and d["activities"] >= 15  # 5 eager matmuls, 5 replays of a matmul and a copy
+    assert result["host_events"] >= 10  # the runtime's calls: 5 launches, 5 replays
     assert 0 < d["busy_ms"] < d["window_ms"] and d["idle_in_gaps_ms"] >= 40 and d["gaps"] >= 1
     assert d["category_count"]["gemm"] >= 10  # the graph's kernels count as the eager ones do

@@ -75,6 +75,11 @@ def _define(p: argparse.ArgumentParser) -> None:
     measure.add_argument("--gpus", metavar="LIST",
                          help="NVML indices of the GPUs whose energy to read, or 'none' (default: all, when the "
                               "server is on this machine)")
+    measure.add_argument("--profile", action="store_true",
+                         help="the server's profiler on during each level (POST /start_profile before it, "
+                              "/stop_profile after, as `vllm bench serve --profile`): llm-anatomy started with "
+                              "--profile-dir (its answer, the device's busy time, goes in the level), vLLM with its "
+                              "profiler on; the level's figures then include the profiler's cost")
     measure.add_argument("--scrape-interval", metavar="S", default="1",
                          help="seconds between scrapes of the server's /metrics during a level (default 1; 0: "
                               "only before and after)")
@@ -233,7 +238,7 @@ def config_from_args(args):
         timeout_s=_seconds("--timeout", args.timeout, allow_zero=False), api_key=args.api_key,
         ignore_eos=not args.no_ignore_eos, anatomy=args.anatomy, gpus=gpus, gpu_energy=gpu_energy,
         local_server=is_local(urlsplit(url).hostname), scrape_interval_s=_seconds(
-            "--scrape-interval", args.scrape_interval, allow_zero=True))
+            "--scrape-interval", args.scrape_interval, allow_zero=True), profile=args.profile)
 
 
 def _allow_open_files(config) -> None:

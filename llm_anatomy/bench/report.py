@@ -161,7 +161,7 @@ def to_json(run: BenchRun) -> dict:
         "settings": {
             "dataset": str(c.dataset) if c.dataset else None, "input_tokens": None if c.dataset else c.input_tokens,
             "output_tokens": c.output_tokens or (None if c.dataset else 128), "num_prompts": c.num_prompts,
-            "seed": c.seed, "slo": c.slo, "timeout_s": c.timeout_s,
+            "seed": c.seed, "slo": c.slo, "timeout_s": c.timeout_s, "profile": c.profile,
             "ignore_eos": run.shape.ignore_eos if run.shape else c.ignore_eos,
             "include_usage": run.shape.include_usage if run.shape else True,
             "percentiles": "numpy linear interpolation (numpy.percentile's default)"},

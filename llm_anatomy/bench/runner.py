@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -45,6 +47,7 @@ class BenchConfig:
     gpu_energy: bool = True  # False: --gpus none
     local_server: bool = True  # whether the URL's host is this machine
     scrape_interval_s: float = 1.0
+    profile: bool = False  # the server's profiler on during each level (vLLM's POST /start_profile, /stop_profile)
 
 
 def default_num_prompts(level: Level) -> int:
@@ -117,10 +120,39 @@ async def _preflight(config: BenchConfig, run: BenchRun, entries) -> tuple[Scrap
     return scraper, meter
 
 
+async def _server_profile(config: BenchConfig, action: str) -> tuple[int, object]:
+    """POST /start_profile or /stop_profile (vLLM's routes, llm-anatomy's with --profile-dir): the status and the
+    answer (JSON where it is; vLLM's is empty); (0, why) if the server could not be reached."""
+    async with new_session(1, config.timeout_s, config.api_key) as session:
+        try:
+            async with session.post(f"{config.url}/{action}_profile") as r:
+                text = await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return 0, f"{type(e).__name__}: {e}"
+    try:
+        answer = json.loads(text) if text.strip() else None
+    except ValueError:
+        answer = text[:500]
+    return r.status, answer
+
+
+def _why(answer) -> str:
+    """The message of an OpenAI-shaped error, else the answer as it came."""
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        return str(answer["error"].get("message"))
+    return str(answer)[:300]
+
+
 async def _level(config: BenchConfig, run: BenchRun, i: int, level: Level, entries, scraper, meter,
                  progress: Progress) -> dict:
     n = config.num_prompts or default_num_prompts(level)
     prompts = make_prompts(config, n, f"{config.seed}/level{i}", entries)
+    if config.profile:  # before the level's first request: a server that cannot profile stops the run here
+        status, answer = await _server_profile(config, "start")
+        if status != 200:
+            raise BenchError(f"--profile: POST /start_profile answered {status or 'nothing'} ({_why(answer)}); "
+                             f"start llm-anatomy with --profile-dir DIR, or vLLM with its profiler on "
+                             f"(VLLM_TORCH_PROFILER_DIR)")
     task = progress.add_task(level.label, total=n, errors=0)
     errors = 0
 
@@ -141,6 +173,7 @@ async def _level(config: BenchConfig, run: BenchRun, i: int, level: Level, entri
 
         ran = await run_level(level, prompts, send, f"{config.seed}/arrivals{i}", done)
     e1 = meter.read(time.perf_counter()) if meter is not None else None
+    profiled = await _server_profile(config, "stop") if config.profile else None
     if poller is not None:
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -161,6 +194,17 @@ async def _level(config: BenchConfig, run: BenchRun, i: int, level: Level, entri
             out["anatomy"] = joined_view(ran.results, await fetch_summaries(session, config.url, ids))
     out["notes"] = [] if watch is None or watch.after is not None else ["GET /metrics failed after the level: "
                                                                         "no server view for it"]
+    out["profile"] = None
+    if profiled is not None:
+        status, answer = profiled
+        if status == 200:
+            out["profile"] = answer if isinstance(answer, dict) else {"answer": answer}  # vLLM's: empty
+            trace = out["profile"].get("trace")
+            out["notes"].append("the server's profiler ran through this level: its figures include the profiler's "
+                                "cost" + (f"; trace: {trace}" if trace else ""))
+        else:
+            out["profile"] = {"error": f"POST /stop_profile answered {status or 'nothing'}: {_why(answer)}"}
+            out["notes"].append(out["profile"]["error"])
     if ran.client_cpu > CLIENT_BUSY:
         out["notes"].append(f"the client's CPU was {ran.client_cpu:.0%} busy: its own pace may limit these figures")
     if watch is not None and not watch.settled:
