@@ -215,7 +215,7 @@ def engine_closed_loop(engine, streams: list[list[list[int]]], max_tokens: int, 
         if profile is not None and not opened and now - t0 >= PROFILE_DELAY_S:
             profile.start()
             opened = True
-        elif profile is not None and profile.running and now - t0 >= PROFILE_DELAY_S + profile_s:
+        elif profile is not None and profile.running and (now - t0 >= PROFILE_DELAY_S + profile_s or not running):
             profile.cut()  # here, as the server's core does between steps; its trace is written after the loop
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -545,14 +545,18 @@ def run_bench(url: str, args, out: Path) -> dict:
     return found
 
 
-def profile_server(url: str, delay_s: float, seconds: float, out: dict) -> threading.Thread:
-    """A thread that opens the server's profile window `delay_s` from now and closes it `seconds` later, its
-    answer (or what went wrong) in out["profile"]."""
+def profile_server(url: str, delay_s: float, seconds: float, out: dict,
+                   level_over: threading.Event) -> threading.Thread:
+    """A thread that opens the server's profile window `delay_s` from now and closes it `seconds` later, or when
+    `level_over` is set (the window holds the level alone, as the bare engine's does), its answer (or what went
+    wrong) in out["profile"]."""
     def run() -> None:
-        time.sleep(delay_s)
+        if level_over.wait(delay_s):
+            out["profile"] = {"error": f"the level ended within {delay_s:.0f} s, before its window"}
+            return
         try:
             httpx.post(f"{url}/start_profile", timeout=30).raise_for_status()
-            time.sleep(seconds)
+            level_over.wait(seconds)
             answer = httpx.post(f"{url}/stop_profile", timeout=600)
             out["profile"] = answer.json() if answer.status_code == 200 else {"error": answer.text[:500]}
         except httpx.HTTPError as e:
@@ -567,11 +571,12 @@ def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict
     prompt_len, max_tokens = shape
     requests = level_requests(c, args.requests_per_stream, prompt_len)
     energy0 = metric(url, "gpu_energy_joules_total")
-    profiled: dict = {}
-    profiler = profile_server(url, CLIENT_START_S + PROFILE_DELAY_S, args.profile_seconds, profiled) \
-        if args.profile_seconds else None
+    profiled, level_over = {}, threading.Event()
+    profiler = profile_server(url, CLIENT_START_S + PROFILE_DELAY_S, args.profile_seconds, profiled,
+                              level_over) if args.profile_seconds else None
     records, wall, client_cpu, _ = run_level(url, args.model, c, requests, max_tokens, args.client_processes,
                                              args.client_cpus)
+    level_over.set()
     if profiler is not None:
         profiler.join()
     energy1 = metric(url, "gpu_energy_joules_total")

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -563,7 +564,30 @@ def test_serve_sweep_profiles_a_window_of_the_bare_engines_loop(scripts, tiny_ch
 
 
 def test_serve_sweep_profile_of_a_server_without_one_says_why(scripts, server):
+    import threading
+
     sweep = scripts("serve_sweep")
     out: dict = {}
-    sweep.profile_server(server.url, 0.0, 0.01, out).join(30)
+    sweep.profile_server(server.url, 0.0, 0.01, out, threading.Event()).join(30)
     assert "404" in out["profile"]["error"]  # the fake has no /start_profile
+    over = threading.Event()
+    over.set()  # a level shorter than the delay: no window
+    sweep.profile_server(server.url, 60.0, 1.0, out, over).join(5)
+    assert out["profile"] == {"error": "the level ended within 60 s, before its window"}
+
+
+def test_serve_sweep_profile_window_ends_with_its_level(scripts, server):
+    import threading
+
+    sweep = scripts("serve_sweep")
+    server.behaviour = Behaviour(profiler="anatomy")
+    out, over = {}, threading.Event()
+    thread = sweep.profile_server(server.url, 0.0, 60.0, out, over)
+    deadline = time.monotonic() + 10
+    while not server.profiles:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    over.set()  # the level is over: the window closes now, not 60 s on
+    thread.join(10)
+    assert not thread.is_alive() and [a for a, _ in server.profiles] == ["start", "stop"]
+    assert out["profile"]["trace"] == "/tmp/trace-2"
