@@ -516,6 +516,33 @@ def test_profile_windows_of_the_engine_core(checkpoint, tmp_path):
         running.stop()
 
 
+def test_a_profiler_that_fails_answers_500_and_the_server_serves_on(checkpoint, tmp_path, monkeypatch):
+    from llm_anatomy.probe.timeline import ProfileWindow
+
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256)
+    running = Running(engine, tmp_path / "run", profile_dir=tmp_path / "traces")
+    try:
+        start = ProfileWindow.start
+
+        def taken(self):
+            raise RuntimeError("CUPTI is in use by another profiler")
+
+        monkeypatch.setattr(ProfileWindow, "start", taken)
+        r = httpx.post(f"{running.url}/start_profile")
+        assert r.status_code == 500 and r.json()["error"]["code"] == "profile_failed"
+        assert "CUPTI is in use" in r.json()["error"]["message"] and r.json()["error"]["type"] == "server_error"
+        assert chat(running, max_tokens=2, extra_body=NO_EOS).usage.completion_tokens == 2
+        monkeypatch.setattr(ProfileWindow, "start", start)
+        assert httpx.post(f"{running.url}/start_profile").status_code == 200  # nothing was left open
+        monkeypatch.setattr(ProfileWindow, "_summary", lambda *a: 1 / 0)  # writing the trace fails
+        r = httpx.post(f"{running.url}/stop_profile", timeout=60)
+        assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
+        assert httpx.post(f"{running.url}/stop_profile").status_code == 409  # the window is gone
+        assert chat(running, max_tokens=2, extra_body=NO_EOS).usage.completion_tokens == 2
+    finally:
+        running.stop()
+
+
 def test_profile_is_off_without_a_profile_dir(server):
     for path in ("/start_profile", "/stop_profile"):
         r = httpx.post(server.url + path)

@@ -111,3 +111,13 @@ def test_a_window_on_the_gpu_sees_its_kernels_also_inside_a_cuda_graph(tmp_path)
     assert result["host_events"] >= 10  # the runtime's calls: 5 launches, 5 replays
     assert 0 < d["busy_ms"] < d["window_ms"] and d["idle_in_gaps_ms"] >= 40 and d["gaps"] >= 1
     assert d["category_count"]["gemm"] >= 10  # the graph's kernels count as the eager ones do
+
+
+def test_a_discarded_window_leaves_nothing_open(tmp_path):
+    window = ProfileWindow(tmp_path, torch.device("cpu"))
+    window.discard()  # none open: nothing to do
+    window.start()
+    window.discard()
+    assert not window.has_window and not window.running and not list(tmp_path.iterdir())
+    window.start()  # the profiler is free again
+    assert window.stop()["host_events"] >= 0

@@ -106,6 +106,15 @@ class ProfileWindow:
             self._ended_ns = time.perf_counter_ns()  # before the profiler's own flush, which can take seconds
             self._prof.stop()
 
+    def discard(self) -> None:
+        """Forget the window (after a failure): collection stopped if it can be, nothing written."""
+        prof, self._prof, self._ended_ns = self._prof, None, 0
+        if prof is not None:
+            try:
+                prof.stop()
+            except Exception:  # noqa: BLE001 - stopped already, or the profiler is broken: nothing to keep
+                pass
+
     def stop(self) -> dict:
         """End the window (if max_s has not), write its trace and sum it up: the slow part (seconds for a busy
         window), which may run on another thread than start's and cut's."""

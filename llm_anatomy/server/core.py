@@ -457,7 +457,11 @@ class EngineCore:
 
     def _cut_expired_profile(self) -> None:
         if self.profile is not None and self.profile.expired:
-            self.profile.cut()  # kept for /stop_profile
+            try:
+                self.profile.cut()  # kept for /stop_profile
+            except Exception:  # noqa: BLE001 - the window is lost (its stop answers 409), serving goes on
+                log.exception("cutting the profile window failed")
+                self.profile.discard()
 
     def _profile(self, index: int, token: int, action: str) -> None:
         """POST /start_profile and /stop_profile from frontend `index`. A window's trace is written by a thread
@@ -472,28 +476,35 @@ class EngineCore:
             answer(404, "the profiler is off: start the server with --profile-dir DIR")
         elif self._profile_writer is not None and self._profile_writer.is_alive():
             answer(409, "the last profile's trace is still being written: try again in a few seconds")
-        elif action == "start":
+        elif action not in ("start", "stop"):
+            answer(400, f"unknown profile action {action!r}")
+        elif action == "stop" and not self.profile.has_window:
+            answer(409, "no profile is running: POST /start_profile first")
+        else:
             try:
-                answer(200, self.profile.start())
+                if action == "start":
+                    answer(200, self.profile.start())
+                    return
+                self.profile.cut()  # on this thread: the window ends here, between steps
             except ProfileError as e:
                 answer(409, str(e))
-        elif action == "stop":
-            if not self.profile.has_window:
-                answer(409, "no profile is running: POST /start_profile first")
                 return
-            self.profile.cut()  # on this thread: the window ends here, between steps
+            except Exception as e:  # noqa: BLE001 - the profiler failed (CUPTI taken, ...): the window is dropped
+                log.exception("the profiler failed")
+                self.profile.discard()
+                answer(500, f"the profiler failed: {type(e).__name__}: {e}")
+                return
 
             def write() -> None:
                 try:
                     answer(200, self.profile.stop())
                 except Exception as e:  # noqa: BLE001 - the profile is lost, nothing else
                     log.exception("writing the profile failed")
+                    self.profile.discard()
                     answer(500, f"writing the profile failed: {type(e).__name__}: {e}")
 
             self._profile_writer = threading.Thread(target=write, name="llm-anatomy-profile-writer", daemon=True)
             self._profile_writer.start()
-        else:
-            answer(400, f"unknown profile action {action!r}")
 
     def _frontend_gone(self, index: int) -> None:
         """An HTTP process is gone (its pipe closed): nobody waits for its calls any more, their KV blocks are
