@@ -136,6 +136,28 @@ def test_a_second_http_process_serves_calls_anatomies_and_metrics(two):
     two.wait_idle()
 
 
+def test_a_profile_started_by_one_http_process_is_stopped_by_the_other(checkpoint, tmp_path):
+    """The profiler is the engine core's: whichever process takes POST /start_profile, the other can stop it, and
+    each answer goes to the process that asked."""
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=256)
+    running = Running(engine, tmp_path / "run", api_server_count=2, profile_dir=tmp_path / "traces")
+    try:
+        fresh = {"connection": "close"}
+        with Frozen(running, 4):  # the other process answers
+            r = httpx.post(f"{running.url}/start_profile", headers=fresh, timeout=10)
+            assert r.status_code == 200 and r.json()["status"] == "started"
+        r = httpx.post(f"{running.url}/v1/chat/completions", headers=fresh,
+                       json={"model": MODEL, "messages": HELLO, "max_tokens": 2, **NO_EOS})
+        assert r.status_code == 200
+        with Frozen(running, 4):  # a start there, with the window open: refused, to that process
+            assert httpx.post(f"{running.url}/start_profile", headers=fresh, timeout=10).status_code == 409
+        r = httpx.post(f"{running.url}/stop_profile", headers=fresh, timeout=60)  # this one, or the other: either
+        assert r.status_code == 200 and r.json()["host_events"] > 0
+        assert (tmp_path / "traces" / r.json()["trace"].rsplit("/", 1)[1]).is_file()
+    finally:
+        running.stop()
+
+
 def test_an_http_process_that_dies_takes_only_its_calls(two, monkeypatch):
     url = two.url
     child = two.server.api_servers.processes[0]
