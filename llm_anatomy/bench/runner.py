@@ -173,11 +173,12 @@ async def _level(config: BenchConfig, run: BenchRun, i: int, level: Level, entri
 
         ran = await run_level(level, prompts, send, f"{config.seed}/arrivals{i}", done)
     e1 = meter.read(time.perf_counter()) if meter is not None else None
-    profiled = await _server_profile(config, "stop") if config.profile else None
     if poller is not None:
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
+    # after the poller: the stop's answer waits for the trace's writing (seconds), the server idle meanwhile
+    profiled = await _server_profile(config, "stop") if config.profile else None
     out = {"level": level.label, "concurrency": level.concurrency, "request_rate": level.request_rate,
            **level_metrics(ran.results, ran.duration_s, config.slo),
            "max_in_flight": ran.max_in_flight, "client_cpu": ran.client_cpu,
