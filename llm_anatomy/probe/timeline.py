@@ -48,8 +48,9 @@ def device_summary(intervals: list[tuple[int, int, str]], window_ns: int) -> dic
     by_category: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for start, stop, name in intervals:
-        by_category[categorize(name)] += (stop - start) / 1e6
-        counts[categorize(name)] += 1
+        kind = categorize(name)
+        by_category[kind] += (stop - start) / 1e6
+        counts[kind] += 1
     busy_ms, window_ms = busy_ns / 1e6, window_ns / 1e6
     return {"window_ms": window_ms, "activities": len(intervals), "busy_ms": busy_ms,
             "idle_ms": max(0.0, window_ms - busy_ms), "busy_share": busy_ms / window_ms if window_ms > 0 else None,
