@@ -354,3 +354,34 @@ def test_core_options_refuse_a_bad_count(field, value):
 
     with pytest.raises(ValueError, match=f"{field} must be an integer >= 1"):
         CoreOptions(**{field: value})
+
+
+def test_the_builders_threads_wait_for_the_step_loops_turn(engine, tmp_path):
+    """While the step loop works, the builder sends nothing (not its metrics, not an anatomy) until the loop waits,
+    or until a helper's longest wait is over; at stop the loop's turn ends."""
+    from llm_anatomy.server.turn import LoopTurn
+
+    calls = finished_calls(engine, 2)
+    store = AnatomyStore(tmp_path)
+    turn = LoopTurn(max_wait_s=30)
+    builder, http = builder_for(engine, store, calls, turn=turn)
+    builder.start()
+    try:
+        turn.works()
+        builder.add(*calls[0])
+        time.sleep(0.5)
+        assert not http.calls["call00"].anatomy_built
+        assert http.metrics.generation_tokens.labels("m")._value.get() == 0
+        turn.waits()
+        wait_for(lambda: http.calls["call00"].anatomy_built)
+        assert "error" not in http.calls["call00"].anatomy
+        turn.max_wait_s = 0.2  # a loop that never waits (a CPU's) does not starve the helpers
+        turn.works()
+        started = time.monotonic()
+        builder.add(*calls[1])
+        wait_for(lambda: http.calls["call01"].anatomy_built, timeout=10)
+        assert time.monotonic() - started >= 0.2
+    finally:
+        turn.waits()
+        builder.stop()
+        store.close()

@@ -39,6 +39,7 @@ from ..probe.telemetry import TelemetryStream
 from . import anatomy_process
 from .anatomy_process import Built, Job, Setup
 from .metrics import call_stats
+from .turn import LoopTurn
 
 STATE_MAX_AGE_S = 0.5  # see AnatomyBuilder._device_state
 
@@ -94,8 +95,9 @@ class Child:
 
 class AnatomyBuilder:
     def __init__(self, engine, ceilings: Ceilings, send, telemetry: TelemetryStream | None, telemetry_note: str,
-                 device_why: str, backlog: int = 1000, in_flight: int = 2):
-        """`send(message)`: to the HTTP process (thread-safe: the core's Sender)."""
+                 device_why: str, backlog: int = 1000, in_flight: int = 2, turn: LoopTurn | None = None):
+        """`send(message)`: to the HTTP process (thread-safe: the core's Sender). `turn`: the engine core's step
+        loop's (turn.py); this builder's threads take it before each unit of their work."""
         if not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"in_flight must be an integer >= 1, got {in_flight!r}")
         self.engine, self.send = engine, send
@@ -103,6 +105,7 @@ class AnatomyBuilder:
         self.telemetry, self.telemetry_note = telemetry, telemetry_note
         self.backlog = backlog
         self.in_flight = in_flight
+        self.turn = turn or LoopTurn()  # alone: a loop that never says it works
         self._waiting: OrderedDict[str, tuple] = OrderedDict()  # id -> (call, trace, result), oldest first
         # (first step, id) of the waiting calls, lowest first; entries of calls no longer waiting are skipped when
         # they come to the top (see _oldest_waiting_step)
@@ -242,6 +245,7 @@ class AnatomyBuilder:
             for old in dropped:
                 self._give_up(old, "dropped")
             if item is not None:
+                self.turn.take()
                 self._send(*item)
         with self._lock:  # everything is in the child: let it finish and exit
             while self._building and self._child is not None:
@@ -256,6 +260,7 @@ class AnatomyBuilder:
     def _metrics(self, fresh: list[tuple]) -> None:
         stats = []
         for call, trace, result in fresh:
+            self.turn.take()
             try:
                 stats.append(call_stats(call.id, trace, call.marks, result))
             except Exception:  # noqa: BLE001 - a bad record must not take the server down
@@ -345,6 +350,7 @@ class AnatomyBuilder:
                 call, waited = self._building.pop(built.id, (None, 0.0))
                 self._lock.notify_all()
             if call is not None:
+                self.turn.take()
                 self._take(call, built, waited)
 
     def _take(self, call: "Call", built: Built, waited: float) -> None:
@@ -410,13 +416,13 @@ class AnatomyBuilders:
     more calls than one process builds. Each keeps its share of the backlog."""
 
     def __init__(self, engine, ceilings: Ceilings, send, telemetry: TelemetryStream | None, telemetry_note: str,
-                 device_why: str, backlog: int = 1000, processes: int = 1):
+                 device_why: str, backlog: int = 1000, processes: int = 1, turn: LoopTurn | None = None):
         if not isinstance(processes, int) or processes < 1:
             raise ValueError(f"processes must be an integer >= 1, got {processes!r}")
         share = -(-backlog // processes)
-        self.builders = [AnatomyBuilder(engine, ceilings, send, telemetry, telemetry_note, device_why, backlog=share)
-                         for _ in range(processes)]
-        self._turn = 0
+        self.builders = [AnatomyBuilder(engine, ceilings, send, telemetry, telemetry_note, device_why, backlog=share,
+                                        turn=turn) for _ in range(processes)]
+        self._next = 0  # the builder the next call goes to
 
     def start(self, ready_timeout: float = 300.0) -> None:
         """Ready when the first is; the others' children are started then, without waiting (a child's imports take
@@ -435,8 +441,8 @@ class AnatomyBuilders:
     def add(self, call: "Call", trace: RequestTrace, result, live_from: int | None = None) -> None:
         """To the next ready builder in turn (the first, started ready, if none is)."""
         for _ in self.builders:
-            builder = self.builders[self._turn]
-            self._turn = (self._turn + 1) % len(self.builders)
+            builder = self.builders[self._next]
+            self._next = (self._next + 1) % len(self.builders)
             if builder.ready:
                 break
         else:

@@ -51,6 +51,7 @@ from ..probe.timeline import ProfileError, ProfileWindow
 from ..tokenizer import Tokenizer
 from .anatomies import AnatomyBuilders
 from .protocol import Request
+from .turn import LoopTurn
 
 log = logging.getLogger("llm_anatomy.server")
 UNHEALTHY_AFTER_FAILED_STEPS = 3  # consecutive failed steps after which /health says the engine cannot serve
@@ -379,10 +380,11 @@ class EngineCore:
         self.engine, self.options, self.frontends, self.telemetry = engine, options, frontends, telemetry
         self.recorder = Recorder(Clock(engine.device))
         self.open_steps = OpenSteps()
-        engine.observers += [self.recorder, self.open_steps]
+        self.turn = LoopTurn()  # the builders' threads work while this loop waits
+        engine.observers += [self.recorder, self.open_steps, self.turn]
         self.anatomy_builders = AnatomyBuilders(engine, ceilings, frontends, telemetry, telemetry_note,
                                                 options.device_why, backlog=options.keep_anatomies,
-                                                processes=options.anatomy_processes)
+                                                processes=options.anatomy_processes, turn=self.turn)
         self._calls: dict[str, CoreCall] = {}
         self._outputs: list[tuple] = []  # for the next message
         self._failures: list[tuple] = []
@@ -397,13 +399,16 @@ class EngineCore:
     def run(self) -> None:
         """Until told to stop by every HTTP process (and what runs has finished), or until their pipes close."""
         engine = self.engine
-        with torch.inference_mode():
-            while self._take_inbox(block=not engine.has_work()):
-                if engine.has_work():
-                    self._step()
-                self._hand_over_finished()
-                self._flush()
-                self._cut_expired_profile()
+        try:
+            with torch.inference_mode():
+                while self._take_inbox(block=not engine.has_work()):
+                    if engine.has_work():
+                        self._step()
+                    self._hand_over_finished()
+                    self._flush()
+                    self._cut_expired_profile()
+        finally:
+            self.turn.waits()  # the builders finish what is left without waiting for their turn
 
     def _take_inbox(self, block: bool) -> bool:
         """Admit new calls and process aborts. False once told to stop and nothing is left to run."""
@@ -411,6 +416,8 @@ class EngineCore:
         while True:
             if block and self._stopping:  # told to stop, and nothing runs
                 return False
+            if block:
+                self.turn.waits()
             ready = frontends.ready(IDLE_POLL_S if block else 0)
             if not ready:
                 if block:
@@ -422,6 +429,7 @@ class EngineCore:
                     continue
                 return True
             block = False
+            self.turn.works()
             for index in ready:
                 try:
                     item = frontends.recv(index)
@@ -673,7 +681,7 @@ def run_core(engine: Engine, options: CoreOptions, frontends: Frontends, progres
     finally:
         if core is not None:
             core.anatomy_builders.stop(timeout=5)  # a no-op after a stop; else its process ends with this one
-            for observer in (core.recorder, core.open_steps):
+            for observer in (core.recorder, core.open_steps, core.turn):
                 engine.observers.remove(observer)
         if telemetry is not None:
             telemetry.stop()
