@@ -514,8 +514,9 @@ def parse_args(argv: list[str] | None):
                          "figures)")
     ap.add_argument("--out", type=output_file, default=Path("serve_sweep.json"),
                     help="the results (JSON); the server's log and run directory go beside it")
+    sys.path.insert(0, str(THIS_CHECKOUT))  # this checkout's llm_anatomy (the flags' checks import it too), as the
+    # server it starts runs it
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(THIS_CHECKOUT))  # this checkout's llm_anatomy, as the server it starts runs it
     from llm_anatomy.errors import AnatomyError
     from llm_anatomy.hub import resolve
 
