@@ -197,8 +197,9 @@ def engine_closed_loop(engine, streams: list[list[list[int]]], max_tokens: int, 
     running = {n: engine.add_request(q.pop(0), params) for n, q in enumerate(queues)}
     first = dict.fromkeys(running, t0)
     last, tokens_at, emitted, total = {}, [], dict.fromkeys(running, 0), 0
+    steps, forwarded = 0, sum(len(r) + max_tokens - 1 for q in streams for r in q)  # each request's P + T - 1
     while running:
-        engine.step()
+        steps += bool(engine.step())
         now, step_tokens = time.perf_counter(), 0
         for n, seq in list(running.items()):
             produced = len(seq.output_token_ids)
@@ -222,7 +223,8 @@ def engine_closed_loop(engine, streams: list[list[list[int]]], max_tokens: int, 
     wall = time.perf_counter() - t0
     if profile is not None and profile.has_window:
         profiled = profile.stop()  # the trace written after the clock (seconds, for a busy window)
-    return {"output_tok_s": total / wall, "wall_s": wall,
+    return {"output_tok_s": total / wall, "wall_s": wall, "engine_steps_per_s": steps / wall,
+            "tokens_per_step_mean": forwarded / steps if steps else None,
             **steady(list(first.values()), list(last.values()), tokens_at),
             **({"profile": profiled} if profile is not None else {})}
 
@@ -408,9 +410,10 @@ def render_levels(result: dict) -> str:
     lines += ["", "Engine: one batch of that many prompts (generate_many), and the server's closed loop run on it "
                   "directly. Steady: while every stream had a request in flight (the closed loop's drain left out).",
               "| level | shape | engine tok/s: one batch / closed loop | server tok/s | server / engine: one batch, "
-              "closed loop | steady tok/s: server / engine closed loop | drain s: server / engine | errors | "
+              "closed loop | steady tok/s: server / engine closed loop | drain s: server / engine | engine steps a "
+              "second: server / engine closed loop | tokens a step: server / engine closed loop | errors | "
               "TTFT p50 / p99 ms |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def share(a, b):
         return f"{a / b:.0%}" if a and b else "-"
@@ -421,7 +424,9 @@ def render_levels(result: dict) -> str:
                      f"{served:.0f} | {share(served, engine)}, {share(served, looped)} | "
                      f"{fixed(lv.get('steady_tok_s'), 0)} / {fixed(lv.get('engine_closed_loop_steady_tok_s'), 0)} | "
                      f"{fixed(lv.get('drain_s'), 1)} / {fixed(lv.get('engine_closed_loop_drain_s'), 1)} | "
-                     f"{lv['errors']} | {fixed(lv['ttft_ms'][50], 1)} / {fixed(lv['ttft_ms'][99], 1)} |")
+                     f"{fixed(lv.get('engine_steps_per_s'), 1)} / {fixed(lv.get('engine_closed_loop_steps_per_s'), 1)}"
+                     f" | {fixed(lv.get('tokens_per_step_mean'), 1)} / "
+                     f"{fixed(lv.get('engine_closed_loop_tokens_per_step_mean'), 1)} | {lv['errors']} | {fixed(lv['ttft_ms'][50], 1)} / {fixed(lv['ttft_ms'][99], 1)} |")
     profiled = [lv for lv in result["levels"] if lv.get("profile")]
     if profiled:
         lines += ["", "Profile windows (--profile-seconds): the device's busy share of the window, its idle time in "
@@ -572,6 +577,7 @@ def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict
     prompt_len, max_tokens = shape
     requests = level_requests(c, args.requests_per_stream, prompt_len)
     energy0 = metric(url, "gpu_energy_joules_total")
+    steps0, stepped0 = metric(url, "iteration_tokens_total_count"), metric(url, "iteration_tokens_total_sum")
     profiled, level_over = {}, threading.Event()
     profiler = profile_server(url, CLIENT_START_S + PROFILE_DELAY_S, args.profile_seconds, profiled,
                               level_over) if args.profile_seconds else None
@@ -581,6 +587,9 @@ def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict
     if profiler is not None:
         profiler.join()
     energy1 = metric(url, "gpu_energy_joules_total")
+    steps1, stepped1 = metric(url, "iteration_tokens_total_count"), metric(url, "iteration_tokens_total_sum")
+    steps = steps1 - (steps0 or 0) if steps1 is not None else None  # a fresh server has no series before a step
+    stepped = stepped1 - (stepped0 or 0) if stepped1 is not None else None
     ok = [r for r in records if "error" not in r]
     reasons: dict[str, int] = {}
     for r in records:
@@ -602,6 +611,11 @@ def measure_level(url: str, args, shape: tuple[int, int], c: int, baseline: dict
         "server_to_engine_closed_loop": tokens / wall / looped["output_tok_s"] if looped else None,
         "engine_closed_loop_steady_tok_s": looped.get("steady_tok_s"),
         "engine_closed_loop_drain_s": looped.get("drain_s"),
+        # the engine's steps, server against bare: as many a second, each as full, is a server keeping up
+        "engine_steps_per_s": steps / wall if steps else None,
+        "tokens_per_step_mean": stepped / steps if steps else None,
+        "engine_closed_loop_steps_per_s": looped.get("engine_steps_per_s"),
+        "engine_closed_loop_tokens_per_step_mean": looped.get("tokens_per_step_mean"),
         **held,
         "all_tokens": bool(ok) and all(r["tokens"] == max_tokens for r in ok),
         "ttft_ms": {q: pct([r["ttft_s"] * 1e3 for r in ok], q) for q in (50, 90, 99)},

@@ -205,11 +205,14 @@ vllm:request_queue_time_seconds_count{model_name="m"} 10
 vllm:request_queue_time_seconds_bucket{le="+Inf",model_name="m"} 10
 vllm:time_to_first_token_seconds_sum{model_name="m"} 2.0
 vllm:time_to_first_token_seconds_count{model_name="m"} 10
+vllm:iteration_tokens_total_sum{model_name="m"} 7000
+vllm:iteration_tokens_total_count{model_name="m"} 70
 """
 VLLM_AFTER = VLLM_BEFORE.replace("} 3\n", "} 5\n").replace("} 100\n", "} 400\n").replace("} 1000\n", "} 2000\n") \
     .replace("} 50\n", "} 850\n").replace("seconds_sum{model_name=\"m\"} 1.0", "seconds_sum{model_name=\"m\"} 1.5") \
     .replace("seconds_count{model_name=\"m\"} 10", "seconds_count{model_name=\"m\"} 15") \
-    .replace("seconds_sum{model_name=\"m\"} 2.0", "seconds_sum{model_name=\"m\"} 3.0")
+    .replace("seconds_sum{model_name=\"m\"} 2.0", "seconds_sum{model_name=\"m\"} 3.0") \
+    .replace("} 7000\n", "} 17000\n").replace("} 70\n", "} 90\n")
 
 
 def _gauges(prefix: str, running: list[float], waiting: float, usage: list[float]) -> Snapshot:
@@ -223,13 +226,14 @@ def _gauges(prefix: str, running: list[float], waiting: float, usage: list[float
 def test_vllm_view_from_differences_and_polled_gauges():
     before, after = parse(VLLM_BEFORE), parse(VLLM_AFTER)
     assert flavour(before) == "vllm:" and "vllm:request_queue_time_seconds_bucket" not in before
-    watch = ServerWatch("vllm:", Snapshot(before, "vllm:", 0), after=Snapshot(after, "vllm:", 1))
+    watch = ServerWatch("vllm:", Snapshot(before, "vllm:", 0), after=Snapshot(after, "vllm:", 4))
     watch.during = [_gauges("vllm:", [3, 4], 2, [0.5, 0.7]), _gauges("vllm:", [1, 1], 0, [0.1, 0.1])]
     v = watch.view()
     assert v["metrics"] == "vllm" and v["scrapes"] == 4
     assert v["preemptions"] == 2 and v["generation_tokens"] == 800 and v["prefix_cache_hit_rate"] == 0.3
     assert v["queue_ms_mean"] == pytest.approx(100.0) and v["ttft_ms_mean"] == pytest.approx(200.0)
     assert v["requests_counted"] == 5 and v["itl_ms_mean"] is None
+    assert v["engine_steps"] == 20 and v["engine_steps_per_s"] == 5 and v["tokens_per_step_mean"] == 500
     assert v["requests_running"] == {"mean": 4.5, "max": 7} and v["requests_waiting"] == {"mean": 1, "max": 2}
     assert v["kv_cache_usage"] == pytest.approx({"mean": 0.35, "max": 0.6})  # ranks averaged, then over scrapes
 
@@ -264,6 +268,12 @@ def test_our_own_servers_metrics_are_read():
     assert v["kv_cache_usage"]["max"] == pytest.approx(0.25) and v["generation_tokens"] == 8
     assert v["ttft_ms_mean"] == pytest.approx(a.ttft_ms) and v["requests_counted"] == 1
     assert v["queue_ms_mean"] == pytest.approx(a.batching.queue_ms) and v["preemptions"] == 0
+    assert v["engine_steps"] is None  # the histogram's labelled series appears with the first step
+    metrics.observe_steps((512, 1, 1))
+    later = Snapshot(parse(metrics.render().decode()), "llm_anatomy:", 2)
+    v = ServerWatch("llm_anatomy:", before, after=later).view()
+    assert v["engine_steps"] == 3 and v["tokens_per_step_mean"] == pytest.approx(514 / 3)
+    assert v["engine_steps_per_s"] == pytest.approx(1.5)
 
 
 def test_our_servers_gpu_energy_counter_gives_joules_per_token():

@@ -483,12 +483,15 @@ def test_serve_sweep_table(scripts):
     # the short table comes last: level, shape, engine (one batch, closed loop) and server tok/s, the ratios, the
     # steady part of both closed loops and their drains, errors, TTFT p50 / p99
     assert lines[-4].startswith("| level | shape | engine tok/s: one batch / closed loop | server tok/s |")
-    assert lines[-2] == "| 64 | 512/256 | 6451 / - | 5294 | 82%, - | - / - | - / - | 0 | 653.9 / 1574.3 |"
-    assert lines[-1] == "| 512 | 512/256 | - / - | 5294 | -, - | - / - | - / - | 3 | 653.9 / 1574.3 |"
+    assert lines[-2] == "| 64 | 512/256 | 6451 / - | 5294 | 82%, - | - / - | - / - | - / - | - / - | 0 | 653.9 / 1574.3 |"
+    assert lines[-1] == "| 512 | 512/256 | - / - | 5294 | -, - | - / - | - / - | - / - | - / - | 3 | 653.9 / 1574.3 |"
     result["levels"][0].update(engine_closed_loop_tok_s=5600.0, steady_tok_s=5500.4, drain_s=1.25,
-                               engine_closed_loop_steady_tok_s=5700.0, engine_closed_loop_drain_s=0.5)
+                               engine_closed_loop_steady_tok_s=5700.0, engine_closed_loop_drain_s=0.5,
+                               engine_steps_per_s=61.26, engine_closed_loop_steps_per_s=48.0,
+                               tokens_per_step_mean=150.04, engine_closed_loop_tokens_per_step_mean=191.0)
     assert sweep.render_levels(result).splitlines()[-2] == (
-        "| 64 | 512/256 | 6451 / 5600 | 5294 | 82%, 95% | 5500 / 5700 | 1.2 / 0.5 | 0 | 653.9 / 1574.3 |")
+        "| 64 | 512/256 | 6451 / 5600 | 5294 | 82%, 95% | 5500 / 5700 | 1.2 / 0.5 | 61.3 / 48.0 | 150.0 / 191.0 | 0 "
+        "| 653.9 / 1574.3 |")
     # --profile-seconds: the windows' table after it, server / bare engine, a side without its window as "-"
     result["levels"][0]["profile"] = {
         "server": {"seconds": 5.02, "device": {"busy_share": 0.8912, "idle_in_gaps_ms": 420.4, "gaps": 311,
@@ -541,6 +544,14 @@ def test_serve_sweep_engine_closed_loop_runs_each_streams_requests_in_turn(scrip
     assert all(before <= 1 for _, before in added)  # the other stream's request at most: never 3 in flight
     assert found["output_tok_s"] == pytest.approx(5 * 3 / found["wall_s"])
     assert found["steady_s"] > 0 and found["steady_tok_s"] > 0 and found["drain_s"] >= 0
+    # its steps, as the server's /metrics count them (iteration_tokens_total): counted by an observer here
+    stepped = []
+    engine.observers.append(SimpleNamespace(on_add=lambda *a: None, on_launch=lambda s: None,
+                                            on_launched=lambda s: None, on_finish=lambda *a: None,
+                                            on_step=lambda s: stepped.append(s.num_tokens)))
+    found = sweep.engine_closed_loop(engine, sweep.closed_loop_streams([[i, 5, 6] for i in range(5)], 2), 3)
+    assert found["engine_steps_per_s"] * found["wall_s"] == pytest.approx(len(stepped))
+    assert found["tokens_per_step_mean"] == pytest.approx(sum(stepped) / len(stepped)) == 5 * (3 + 3 - 1) / len(stepped)
 
 
 def test_serve_sweep_profiles_a_window_of_the_bare_engines_loop(scripts, tiny_checkpoint, tmp_path, monkeypatch):

@@ -36,9 +36,11 @@ def test_each_frontend_hears_of_its_own_calls_and_everyone_of_the_figures():
         frontends.adopt("a", 0)
         frontends.adopt("b", 1)
         output = lambda i: (i, "text", 1, None, None, None)  # noqa: E731
-        frontends.post_step([output("a"), output("b")], [("b", 500, "failed", "server_error", None, True)], GAUGES)
-        assert reads[0].recv() == ("step", [output("a")], [], GAUGES)
-        assert reads[1].recv() == ("step", [output("b")], [("b", 500, "failed", "server_error", None, True)], GAUGES)
+        frontends.post_step([output("a"), output("b")], [("b", 500, "failed", "server_error", None, True)], GAUGES,
+                            (3, 2))
+        assert reads[0].recv() == ("step", [output("a")], [], GAUGES, (3, 2))
+        assert reads[1].recv() == ("step", [output("b")], [("b", 500, "failed", "server_error", None, True)], GAUGES,
+                                   (3, 2))
         assert frontends.owner == {"a": 0}  # b failed for good: no anatomy follows
         frontends(("finished", ["stats"]))
         assert reads[0].recv() == reads[1].recv() == ("finished", ["stats"])

@@ -316,6 +316,35 @@ def test_metrics_under_vllm_names_agree_with_the_anatomy(server):
     assert not any(k.startswith("anatomy_build") or k.startswith("gpu_") for k in theirs)
 
 
+def test_iteration_tokens_count_the_engines_steps_and_what_each_forwarded(server):
+    """vLLM's iteration_tokens_total (a histogram): one observation a step, its value the tokens the step
+    forwarded: a lone request of P prompt tokens and T output tokens takes one prefill of P and T - 1 decode
+    steps of one token."""
+    def histogram(prefix):
+        text = httpx.get(f"{server.url}/metrics").text
+        found = {}
+        for line in text.splitlines():
+            if line.startswith(prefix + "iteration_tokens_total_"):
+                name, value = line.rsplit(" ", 1)
+                found[name[len(prefix + "iteration_tokens_total_"):]] = float(value)
+        return found
+
+    server.wait_idle()
+    time.sleep(0.3)
+    before = histogram("llm_anatomy:")
+    ids = list(range(100, 107))
+    r = post(server, {"model": MODEL, "prompt": ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+             path="/v1/completions")
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    time.sleep(0.3)
+    after, theirs = histogram("llm_anatomy:"), histogram("vllm:")
+    grew = {k: v - before.get(k, 0.0) for k, v in after.items()}  # a fresh server has no series before its first step
+    label = '{model_name="tiny-qwen3"}'
+    assert grew["count" + label] == 5 and grew["sum" + label] == len(ids) + 4
+    assert grew['bucket{le="1.0",model_name="tiny-qwen3"}'] == 4 and grew['bucket{le="8.0",model_name="tiny-qwen3"}'] == 5
+    assert theirs == after
+
+
 # ---- faults inside the engine --------------------------------------------------------------------------------------
 @pytest.fixture
 def own_server(checkpoint, tmp_path):

@@ -94,6 +94,8 @@ def _rows(run: BenchRun) -> list[Row]:
         ("server", "TTFT mean (ms)", f("server.ttft_ms_mean")),
         ("server", "ITL mean (ms)", f("server.itl_ms_mean")),
         ("server", "e2e mean (ms)", f("server.e2e_ms_mean")),
+        ("server", "engine steps per second", f("server.engine_steps_per_s")),
+        ("server", "tokens per engine step mean", f("server.tokens_per_step_mean")),
         ("server", "preemptions", f("server.preemptions")),
         ("server", "prefix cache hit rate", lambda lv: _pct(_at(lv, "server.prefix_cache_hit_rate"))),
         ("server", "output tokens counted", f("server.generation_tokens")),

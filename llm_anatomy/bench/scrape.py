@@ -33,6 +33,7 @@ _VLLM = {
     "queue_time": ("request_queue_time_seconds",), "ttft": ("time_to_first_token_seconds",),
     "itl": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
     "e2e": ("e2e_request_latency_seconds",), "prefill_time": ("request_prefill_time_seconds",),
+    "iteration_tokens": ("iteration_tokens_total",),  # a histogram: one observation an engine step
 }
 NAMES = {
     "vllm:": _VLLM,
@@ -126,6 +127,12 @@ class ServerWatch:
             total, count = _delta(b, a, role, "_sum"), _delta(b, a, role, "_count")
             out[f"{role.replace('_time', '')}_ms_mean"] = total / count * 1e3 if total is not None and count else None
         out["requests_counted"] = _delta(b, a, "ttft", "_count")
+        # the engine's steps (vLLM's and ours): how many, and what each carried; a server that keeps up with its
+        # engine makes as many steps per second as the bare engine, each as full
+        steps, stepped = _delta(b, a, "iteration_tokens", "_count"), _delta(b, a, "iteration_tokens", "_sum")
+        out["engine_steps"] = steps
+        out["engine_steps_per_s"] = steps / (a.t - b.t) if steps is not None and a.t > b.t else None
+        out["tokens_per_step_mean"] = stepped / steps if stepped is not None and steps else None
         for role in ("preemptions", "generation_tokens", "prompt_tokens"):
             out[role] = _delta(b, a, role)
         hits, queries = _delta(b, a, "prefix_hits"), _delta(b, a, "prefix_queries")

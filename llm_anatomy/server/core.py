@@ -13,7 +13,7 @@ its own pair, and `Frontends` routes the core's messages (who gets what: its doc
                 ("want", id) (build this anatomy next), ("profile", token, "start" | "stop") (the profiler,
                 answered by ("profiled", token, status, result)), None (stop once what runs has finished)
   core -> HTTP  ("progress", stage) while the engine loads, then ("ready", EngineInfo) or ("failed", why);
-                ("step", outputs, failures, Gauges): one message per step for all its calls;
+                ("step", outputs, failures, Gauges, step token counts): one message per step for all its calls;
                 ("finished", [CallStats]) and ("anatomy", id, summary, json, joules, seconds, dropped) from the
                 anatomy builder (anatomies.py), ("built", joules, seconds, dropped) to the HTTP processes that do not
                 own the call; ("restarted",) when its process was replaced;
@@ -200,6 +200,29 @@ class OpenSteps:
         return seqs
 
 
+class StepTokens:
+    """Engine observer: the tokens each completed step forwarded, for the HTTP processes' /metrics
+    (iteration_tokens_total), sent with the next step's message."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+
+    def on_add(self, seq, t_ns): pass
+
+    def on_launch(self, step): pass
+
+    def on_launched(self, step): pass
+
+    def on_step(self, step):
+        self.tokens.append(step.num_tokens)
+
+    def on_finish(self, seq, t_ns): pass
+
+    def take(self) -> tuple[int, ...]:
+        tokens, self.tokens = tuple(self.tokens), []
+        return tokens
+
+
 class Sender:
     """One end of a pipe that several threads send on (the step loop, the anatomy builder's threads), written by a
     thread of its own in the order the messages come. The step loop posts its messages and goes on: sending them
@@ -306,11 +329,12 @@ class Frontends:
         """Every frontend left has said it sends nothing more (False once none is left: the core ends then)."""
         return bool(self.live) and self.live <= self.stopping
 
-    def post_step(self, outputs: list[tuple], failures: list[tuple], gauges: "Gauges") -> None:
-        """A step's outputs and failures (each led by its call's id) to their calls' frontends, the gauges to all,
-        without waiting."""
+    def post_step(self, outputs: list[tuple], failures: list[tuple], gauges: "Gauges",
+                  steps: tuple[int, ...] = ()) -> None:
+        """A step's outputs and failures (each led by its call's id) to their calls' frontends, the gauges and the
+        completed steps' token counts to all (each counts the whole server's), without waiting."""
         if len(self.senders) == 1:
-            self._post(0, ("step", outputs, failures, gauges))
+            self._post(0, ("step", outputs, failures, gauges, steps))
             return
         mine = {i: ([], []) for i in self.live}
         for output in outputs:
@@ -322,7 +346,7 @@ class Frontends:
             if i in mine:
                 mine[i][1].append(failure)
         for i, (its_outputs, its_failures) in mine.items():
-            self._post(i, ("step", its_outputs, its_failures, gauges))
+            self._post(i, ("step", its_outputs, its_failures, gauges, steps))
 
     def __call__(self, message) -> None:
         """Send one of the other messages (run_core's, the anatomy builder's) where it goes, waiting until it is
@@ -380,8 +404,9 @@ class EngineCore:
         self.engine, self.options, self.frontends, self.telemetry = engine, options, frontends, telemetry
         self.recorder = Recorder(Clock(engine.device))
         self.open_steps = OpenSteps()
+        self.step_tokens = StepTokens()
         self.turn = LoopTurn()  # the builders' threads work while this loop waits
-        engine.observers += [self.recorder, self.open_steps, self.turn]
+        engine.observers += [self.recorder, self.open_steps, self.step_tokens, self.turn]
         self.anatomy_builders = AnatomyBuilders(engine, ceilings, frontends, telemetry, telemetry_note,
                                                 options.device_why, backlog=options.keep_anatomies,
                                                 processes=options.anatomy_processes, turn=self.turn)
@@ -630,8 +655,8 @@ class EngineCore:
         """The step's outputs and failures in one message, with the gauges (alone when they changed, or when idle,
         for the telemetry's)."""
         gauges = self.gauges()
-        if self._outputs or self._failures or gauges != self._gauges or idle:
-            self.frontends.post_step(self._outputs, self._failures, gauges)
+        if self._outputs or self._failures or self.step_tokens.tokens or gauges != self._gauges or idle:
+            self.frontends.post_step(self._outputs, self._failures, gauges, self.step_tokens.take())
             self._outputs, self._failures, self._gauges = [], [], gauges
 
 
@@ -681,7 +706,7 @@ def run_core(engine: Engine, options: CoreOptions, frontends: Frontends, progres
     finally:
         if core is not None:
             core.anatomy_builders.stop(timeout=5)  # a no-op after a stop; else its process ends with this one
-            for observer in (core.recorder, core.open_steps, core.turn):
+            for observer in (core.recorder, core.open_steps, core.step_tokens, core.turn):
                 engine.observers.remove(observer)
         if telemetry is not None:
             telemetry.stop()

@@ -351,8 +351,9 @@ class EngineClient:
         """One message from the core (core.py lists them); False once the core has stopped."""
         what = message[0]
         if what == "step":
-            _, outputs, failures, gauges = message
+            _, outputs, failures, gauges, steps = message
             self._gauges = self.metrics.live.gauges = gauges
+            self.metrics.observe_steps(steps)
             if outputs or failures:
                 self._on_loop(self._deliver, outputs, failures)
         elif what == "finished":

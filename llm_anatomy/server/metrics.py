@@ -29,12 +29,13 @@ VLLM_PREFIX = "vllm:"
 VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
               "generation_tokens", "request_success", "num_preemptions", "time_to_first_token_seconds",
               "time_per_output_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-              "request_queue_time_seconds", "request_prefill_time_seconds")
+              "request_queue_time_seconds", "request_prefill_time_seconds", "iteration_tokens_total")
 # vLLM's buckets (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # tokens a step
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 
@@ -171,6 +172,9 @@ class Metrics:
                                buckets=REQUEST_BUCKETS, registry=r)
         self.prefill = Histogram(PREFIX + "request_prefill_time_seconds", "Prefill step time (device).", m,
                                  buckets=REQUEST_BUCKETS, registry=r)
+        # a histogram despite its name (vLLM's): steps and the tokens each forwarded (prompt tokens and decoded ones)
+        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "Histogram of number of tokens per "
+                                          "engine step.", m, buckets=ITERATION_BUCKETS, registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", m, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", m, registry=r)
         self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
@@ -195,6 +199,12 @@ class Metrics:
         for family in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.anatomies_dropped,
                        self.anatomy_builder_restarts):
             family.labels(model)  # exported at 0 from the start
+
+    def observe_steps(self, tokens: tuple[int, ...]) -> None:
+        """Engine steps since the last message: the tokens each forwarded."""
+        histogram = self.iteration_tokens.labels(self.model)
+        for n in tokens:
+            histogram.observe(n)
 
     def observe(self, s: CallStats) -> None:
         """A finished call (with or without an anatomy): its tokens, how it ended, and its latencies if it ran."""
