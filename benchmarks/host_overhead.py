@@ -84,11 +84,6 @@ def make_core(engine, inbox, send, run_dir: Path):
                       "no telemetry")
 
 
-def drop_core(engine, core) -> None:
-    for observer in (core.recorder, core.open_steps):
-        engine.observers.remove(observer)
-
-
 def torch_inference():
     import torch
 
@@ -290,7 +285,7 @@ def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     reader_ms = (time.clock_gettime(reader_clock) - reader0) * 1e3
     client._stopping = True  # its pipes close with this function: no engine to mourn
     http.stop()
-    drop_core(engine, core)
+    core.detach()
     return {"http_intake_ms": intake_ms, "http_loop_ms": cpu_ms / max(1, output_tokens),
             "http_us_per_chunk": cpu_ms * 1e3 / max(1, chunks),
             "http_chunks_per_stream": chunks / batch, "http_reader_ms": reader_ms / max(1, output_tokens)}
@@ -357,7 +352,7 @@ def core_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
     sender("end")
     recv_s = receiver.stop()
     parent, child = anatomy_costs(builder, engine, finished)
-    drop_core(engine, core)
+    core.detach()
     steps = output_tokens  # each call's anatomy covers its `output_tokens` steps, shared by the batch
     return {"core_ms": statistics.median(times), "core_cpu_ms": statistics.median(cpu),
             "core_cpu_mean_ms": statistics.mean(cpu),  # with the collector's pauses, which the median skips

@@ -219,6 +219,7 @@ class Recorder:
         self._open: dict[int, tuple[StepMeasure, list[tuple[RequestTrace, Sequence, StepRecord]]]] = {}
         self._finished: list[RequestTrace] = []
         self._launched = -1  # the index of the latest step launched
+        self._start: tuple[int, object] | None = None  # (step index, its start mark) between on_launch and on_launched
         # the oldest step a watched request may still come to name (None: none is watched); kept up to date on
         # the engine thread, read by others (the anatomy builder forgets the steps before it)
         self.oldest_step: int | None = None
@@ -244,12 +245,20 @@ class Recorder:
             trace.added_ns, trace.seq = t_ns, seq
 
     def on_launch(self, step: Step) -> None:
+        """The step's start mark, before its launch; who it concerns is worked out once it is launched (at
+        hundreds of requests a record each, which would delay the launch while the device may be waiting)."""
         self._launched = step.index
-        if not self.traces:
+        self._start = (step.index, self._now()) if self.traces else None
+
+    def on_launched(self, step: Step) -> None:
+        end = self._now()
+        start, self._start = self._start, None
+        if start is None or start[0] != step.index:
             return
         traces, finished = self.traces, Status.FINISHED
         timing = StepMeasure()
-        # one pass, one small record per traced request: a reference to the step and its shared measure
+        # one pass, one small record per traced request: a reference to the step and its shared measure (nothing
+        # between the launch and here changes a sequence's status: tokens are appended when a step completes)
         mine = [(trace, seq, StepRecord(step, i, timing)) for i, seq in enumerate(step.seqs)
                 if (trace := traces.get(seq.request_id)) is not None and seq.status is not finished]
         # A prefill step holds back every running request not in it: that is who slowed them down.
@@ -260,15 +269,10 @@ class Recorder:
                        and t.request_id not in ids]
         if not mine and not stalled:
             return
-        timing.start = self._now()
+        timing.start, timing.end = start[1], end
         for trace in stalled:
             trace.stalls.append((step, timing))
         self._open[step.index] = (timing, mine)
-
-    def on_launched(self, step: Step) -> None:
-        opened = self._open.get(step.index)
-        if opened is not None:
-            opened[0].end = self._now()
 
     def on_step(self, step: Step) -> None:
         opened = self._open.pop(step.index, None)

@@ -406,7 +406,8 @@ class EngineCore:
         self.open_steps = OpenSteps()
         self.step_tokens = StepTokens()
         self.turn = LoopTurn()  # the builders' threads work while this loop waits
-        engine.observers += [self.recorder, self.open_steps, self.step_tokens, self.turn]
+        self._observers = (self.recorder, self.open_steps, self.step_tokens, self.turn)
+        engine.observers += self._observers
         self.anatomy_builders = AnatomyBuilders(engine, ceilings, frontends, telemetry, telemetry_note,
                                                 options.device_why, backlog=options.keep_anatomies,
                                                 processes=options.anatomy_processes, turn=self.turn)
@@ -420,6 +421,11 @@ class EngineCore:
         self.profile = (ProfileWindow(options.profile_dir, engine.device, name="engine-core")
                         if options.profile_dir else None)
         self._profile_writer: threading.Thread | None = None  # writing the last window's trace
+
+    def detach(self) -> None:
+        """Take this core's observers off its engine (after its loop has ended)."""
+        for observer in self._observers:
+            self.engine.observers.remove(observer)
 
     def run(self) -> None:
         """Until told to stop by every HTTP process (and what runs has finished), or until their pipes close."""
@@ -706,8 +712,7 @@ def run_core(engine: Engine, options: CoreOptions, frontends: Frontends, progres
     finally:
         if core is not None:
             core.anatomy_builders.stop(timeout=5)  # a no-op after a stop; else its process ends with this one
-            for observer in (core.recorder, core.open_steps, core.step_tokens, core.turn):
-                engine.observers.remove(observer)
+            core.detach()
         if telemetry is not None:
             telemetry.stop()
 
