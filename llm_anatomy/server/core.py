@@ -51,7 +51,7 @@ from ..probe.timeline import ProfileError, ProfileWindow
 from ..tokenizer import Tokenizer
 from .anatomies import AnatomyBuilders
 from .protocol import Request
-from .turn import LoopTurn
+from .turn import MAX_WAIT_S, LoopTurn
 
 log = logging.getLogger("llm_anatomy.server")
 UNHEALTHY_AFTER_FAILED_STEPS = 3  # consecutive failed steps after which /health says the engine cannot serve
@@ -405,7 +405,9 @@ class EngineCore:
         self.recorder = Recorder(Clock(engine.device))
         self.open_steps = OpenSteps()
         self.step_tokens = StepTokens()
-        self.turn = LoopTurn()  # the builders' threads work while this loop waits
+        # the builders' threads work while this loop waits for the device; on a CPU the forward is the loop's own
+        # work, there is no such wait, and they go on at once
+        self.turn = LoopTurn(max_wait_s=MAX_WAIT_S if engine.device.type == "cuda" else 0.0)
         self._observers = (self.recorder, self.open_steps, self.step_tokens, self.turn)
         engine.observers += self._observers
         self.anatomy_builders = AnatomyBuilders(engine, ceilings, frontends, telemetry, telemetry_note,

@@ -7,8 +7,9 @@ boundary the lookahead could not cover) stretched to two or three times its leng
 helpers' work is not urgent; the loop's is, except while the loop itself waits (for a step's tokens, or for
 requests). So the loop says when it waits and when it works, and each helper asks for its turn before each unit of
 its work (one call's anatomy sent, one built anatomy passed on): it goes on at once while the loop waits, and else
-waits until it does, or at most `max_wait_s` (on a CPU the forward runs on the host and the loop hardly ever
-waits; the helpers must not starve there).
+waits until it does, or at most `max_wait_s`, so that a loop that hardly ever waits cannot starve them. (On a CPU the
+forward is the loop's own work and there is no wait to lend: the engine core gives its helpers no wait there,
+max_wait_s 0.)
 """
 
 from __future__ import annotations
