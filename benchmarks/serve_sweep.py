@@ -426,7 +426,8 @@ def render_levels(result: dict) -> str:
                      f"{fixed(lv.get('drain_s'), 1)} / {fixed(lv.get('engine_closed_loop_drain_s'), 1)} | "
                      f"{fixed(lv.get('engine_steps_per_s'), 1)} / {fixed(lv.get('engine_closed_loop_steps_per_s'), 1)}"
                      f" | {fixed(lv.get('tokens_per_step_mean'), 1)} / "
-                     f"{fixed(lv.get('engine_closed_loop_tokens_per_step_mean'), 1)} | {lv['errors']} | {fixed(lv['ttft_ms'][50], 1)} / {fixed(lv['ttft_ms'][99], 1)} |")
+                     f"{fixed(lv.get('engine_closed_loop_tokens_per_step_mean'), 1)} | {lv['errors']} | "
+                     f"{fixed(lv['ttft_ms'][50], 1)} / {fixed(lv['ttft_ms'][99], 1)} |")
     profiled = [lv for lv in result["levels"] if lv.get("profile")]
     if profiled:
         lines += ["", "Profile windows (--profile-seconds): the device's busy share of the window, its idle time in "

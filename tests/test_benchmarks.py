@@ -483,7 +483,8 @@ def test_serve_sweep_table(scripts):
     # the short table comes last: level, shape, engine (one batch, closed loop) and server tok/s, the ratios, the
     # steady part of both closed loops and their drains, errors, TTFT p50 / p99
     assert lines[-4].startswith("| level | shape | engine tok/s: one batch / closed loop | server tok/s |")
-    assert lines[-2] == "| 64 | 512/256 | 6451 / - | 5294 | 82%, - | - / - | - / - | - / - | - / - | 0 | 653.9 / 1574.3 |"
+    assert lines[-2] == ("| 64 | 512/256 | 6451 / - | 5294 | 82%, - | - / - | - / - | - / - | - / - | 0 | "
+                         "653.9 / 1574.3 |")
     assert lines[-1] == "| 512 | 512/256 | - / - | 5294 | -, - | - / - | - / - | - / - | - / - | 3 | 653.9 / 1574.3 |"
     result["levels"][0].update(engine_closed_loop_tok_s=5600.0, steady_tok_s=5500.4, drain_s=1.25,
                                engine_closed_loop_steady_tok_s=5700.0, engine_closed_loop_drain_s=0.5,

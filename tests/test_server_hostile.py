@@ -341,7 +341,8 @@ def test_iteration_tokens_count_the_engines_steps_and_what_each_forwarded(server
     grew = {k: v - before.get(k, 0.0) for k, v in after.items()}  # a fresh server has no series before its first step
     label = '{model_name="tiny-qwen3"}'
     assert grew["count" + label] == 5 and grew["sum" + label] == len(ids) + 4
-    assert grew['bucket{le="1.0",model_name="tiny-qwen3"}'] == 4 and grew['bucket{le="8.0",model_name="tiny-qwen3"}'] == 5
+    bucket = 'bucket{{le="{}",model_name="tiny-qwen3"}}'.format
+    assert grew[bucket("1.0")] == 4 and grew[bucket("8.0")] == 5
     assert theirs == after
 
 
