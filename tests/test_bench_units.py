@@ -226,9 +226,10 @@ def _gauges(prefix: str, running: list[float], waiting: float, usage: list[float
 def test_vllm_view_from_differences_and_polled_gauges():
     before, after = parse(VLLM_BEFORE), parse(VLLM_AFTER)
     assert flavour(before) == "vllm:" and "vllm:request_queue_time_seconds_bucket" not in before
-    watch = ServerWatch("vllm:", Snapshot(before, "vllm:", 0), after=Snapshot(after, "vllm:", 4))
+    watch = ServerWatch("vllm:", Snapshot(before, "vllm:", 0), after=Snapshot(after, "vllm:", 9))
     watch.during = [_gauges("vllm:", [3, 4], 2, [0.5, 0.7]), _gauges("vllm:", [1, 1], 0, [0.1, 0.1])]
-    v = watch.view()
+    assert watch.view()["engine_steps_per_s"] is None  # without the level's duration (not the scrapes' 9 s)
+    v = watch.view(duration_s=4.0)
     assert v["metrics"] == "vllm" and v["scrapes"] == 4
     assert v["preemptions"] == 2 and v["generation_tokens"] == 800 and v["prefix_cache_hit_rate"] == 0.3
     assert v["queue_ms_mean"] == pytest.approx(100.0) and v["ttft_ms_mean"] == pytest.approx(200.0)
@@ -270,8 +271,8 @@ def test_our_own_servers_metrics_are_read():
     assert v["queue_ms_mean"] == pytest.approx(a.batching.queue_ms) and v["preemptions"] == 0
     assert v["engine_steps"] is None  # the histogram's labelled series appears with the first step
     metrics.observe_steps((512, 1, 1))
-    later = Snapshot(parse(metrics.render().decode()), "llm_anatomy:", 2)
-    v = ServerWatch("llm_anatomy:", before, after=later).view()
+    later = Snapshot(parse(metrics.render().decode()), "llm_anatomy:", 7)
+    v = ServerWatch("llm_anatomy:", before, after=later).view(duration_s=2.0)
     assert v["engine_steps"] == 3 and v["tokens_per_step_mean"] == pytest.approx(514 / 3)
     assert v["engine_steps_per_s"] == pytest.approx(1.5)
 

@@ -187,7 +187,7 @@ async def _level(config: BenchConfig, run: BenchRun, i: int, level: Level, entri
     out["server"] = None
     if watch is not None:
         await scraper.finish(watch, out["completed"])
-        out["server"] = watch.view() if watch.after is not None else None
+        out["server"] = watch.view(ran.duration_s) if watch.after is not None else None
     out["anatomy"] = None
     if config.anatomy:
         ids = [r.anatomy_id for r in ran.results if r.ok and r.anatomy_id]

@@ -115,8 +115,9 @@ class ServerWatch:
     after: Snapshot | None = None
     settled: bool = True  # whether the server had counted every completed request when last scraped
 
-    def view(self) -> dict:
-        """The server's own figures for the level."""
+    def view(self, duration_s: float | None = None) -> dict:
+        """The server's own figures for the level; `duration_s`: the level's (the client's clock, as its tok/s),
+        what the engine's steps a second are over (the scrapes bracket more: the settling, a profile's stop)."""
         b, a = self.before, self.after
         out: dict = {"metrics": self.prefix.rstrip(":"), "scrapes": 2 + len(self.during), "settled": self.settled}
         for role in ("running", "waiting", "kv_usage"):
@@ -131,7 +132,7 @@ class ServerWatch:
         # engine makes as many steps per second as the bare engine, each as full
         steps, stepped = _delta(b, a, "iteration_tokens", "_count"), _delta(b, a, "iteration_tokens", "_sum")
         out["engine_steps"] = steps
-        out["engine_steps_per_s"] = steps / (a.t - b.t) if steps is not None and a.t > b.t else None
+        out["engine_steps_per_s"] = steps / duration_s if steps is not None and duration_s else None
         out["tokens_per_step_mean"] = stepped / steps if stepped is not None and steps else None
         for role in ("preemptions", "generation_tokens", "prompt_tokens"):
             out[role] = _delta(b, a, role)
