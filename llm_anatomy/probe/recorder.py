@@ -251,10 +251,10 @@ class Recorder:
         self._start = (step.index, self._now()) if self.traces else None
 
     def on_launched(self, step: Step) -> None:
-        end = self._now()
         start, self._start = self._start, None
-        if start is None or start[0] != step.index:
+        if start is None or start[0] != step.index:  # nothing traced: no end mark (on a GPU, an event a step)
             return
+        end = self._now()
         traces, finished = self.traces, Status.FINISHED
         timing = StepMeasure()
         # one pass, one small record per traced request: a reference to the step and its shared measure (nothing
