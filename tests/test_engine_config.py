@@ -86,6 +86,50 @@ def test_choose_plan_follows_the_config_on_the_cpu():
     assert not choose_plan(EngineConfig(), cpu, "bfloat16", "float8_e4m3fn").decode_attention.fp8_cuda
 
 
+def test_fp8_prefill_attention_is_a_gpu_plan_taken_by_a_long_fresh_prompt_alone():
+    from llm_anatomy.models.attention import AttentionBatch, fp8_prefill_rows, prefill_bucket
+
+    cpu = torch.device("cpu")
+    for kv in ("bfloat16", "float8_e4m3fn"):
+        plan = choose_plan(EngineConfig(fast_path=False), cpu, "float8_e4m3fn", kv, attention_heads=(32, 8, 128))
+        assert not plan.fp8_prefill_attention and plan.describe()["fp8_prefill_attention"] is False
+    from llm_anatomy.probe.cost import DEFAULT_SHAPES, prefill_cost
+    from llm_anatomy.models.config import ModelConfig
+    from conftest import TINY
+
+    c = ModelConfig.from_hf({**TINY, "model_type": "qwen3"})
+    w8a8 = dataclasses.replace(DEFAULT_SHAPES, weight_size=1, weight_row_scale_bytes=4, w8a8=True, kv_size=1)
+    fp8_attention = dataclasses.replace(w8a8, fp8_prefill_attention=True)
+    for seqs, taken in (([(3000, 0)], True), ([(2048, 0)], False), ([(3000, 16)], False), ([(3000, 0)] * 2, False)):
+        before, after = (prefill_cost(c, torch.bfloat16, seqs, shapes=s).parts for s in (w8a8, fp8_attention))
+        tokens = sum(n for n, _ in seqs)
+        # the queries read in fp8, o_proj's input written quantized by the attention (no quantization kernel)
+        saved = c.num_hidden_layers * tokens * c.q_size * (1 if taken else 0)
+        assert before["attention"]["bytes"] - after["attention"]["bytes"] == saved
+        assert before["quantize"]["bytes"] - after["quantize"]["bytes"] == 2 * saved
+        assert before["attention"]["flops"] == after["attention"]["flops"]
+    cache = torch.zeros(1, 2, 16, 1, 8)
+
+    def batch(query_lens, prefix_lens=None, num_decodes=0, varlen=None, is_prefill=True):
+        n = sum(query_lens)
+        return AttentionBatch(cache, cache, torch.zeros(n, dtype=torch.int64), is_prefill,
+                              torch.zeros(len(query_lens), 1, dtype=torch.int32), torch.tensor(query_lens),
+                              tuple(query_lens), tuple(prefix_lens or [0] * len(query_lens)), num_decodes,
+                              varlen=varlen)
+
+    from llm_anatomy.engine.graphs import PREFILL_GRAPH_TOKENS
+
+    assert fp8_prefill_rows(batch((2049,))) == prefill_bucket(2049) == 2560
+    assert fp8_prefill_rows(batch((3000,))) == 3072
+    assert fp8_prefill_rows(batch((8192,))) == 8192
+    assert fp8_prefill_rows(batch((PREFILL_GRAPH_TOKENS,))) is None  # the prefill graphs': FlashAttention, bf16
+    assert fp8_prefill_rows(batch((3000,), (16,))) is None  # after a cached prefix (a chunk)
+    assert fp8_prefill_rows(batch((3000, 3000))) is None  # not alone
+    assert fp8_prefill_rows(batch((1, 3000), num_decodes=1)) is None  # a mixed step
+    assert fp8_prefill_rows(batch((3000,), varlen=(torch.zeros(2), 3000))) is None  # a CUDA graph's
+    assert fp8_prefill_rows(batch((1,), is_prefill=False)) is None
+
+
 def test_plan_decode_attention_and_tiles():
     attention = DecodeAttentionPlan(short_context=100, short_splits=4, short_block_n=32, long_splits=7)
     assert attention.for_step(1, 100) == (4, 32) and attention.for_step(1, 101) == (7, None)

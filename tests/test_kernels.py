@@ -101,6 +101,54 @@ def test_qk_norm_rope_store(norm, tokens):
     assert torch.equal(k[stored], flat_k[slots[stored]])
 
 
+@pytest.mark.parametrize("tokens", [5, 70])
+def test_qk_norm_rope_store_fp8_rows(tokens):
+    """For the fp8 prefill attention: Q, K and V in fp8 as an fp8 cache stores them (the bits of the model-dtype
+    outputs saturated to e4m3), zero rows up to the attention's length, the largest |V| stored; the cache's
+    stores as without."""
+    from llm_anatomy.models.attention import as_cached
+    from llm_anatomy.models.config import ModelConfig
+    from llm_anatomy.models.qwen3 import RMSNorm, RotaryEmbedding
+
+    heads, kv_heads, d, eps = 4, 2, 32, 1e-6
+    config = ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                                  "head_dim": d, "max_position_embeddings": 4096, "rope_theta": 10000.0})
+    rotary = RotaryEmbedding(config).to(DEVICE)
+    qkv = rand(tokens, (heads + 2 * kv_heads) * d)
+    qkv[1, -3] = 1000.0  # a value past e4m3's largest: it saturates at 448
+    qn = RMSNorm(d, eps).to(DEVICE)
+    with torch.no_grad():
+        qn.weight.copy_(rand(d, seed=3) * 300)  # normed q and k up to ~1000: saturated too
+    positions = torch.arange(tokens, device=DEVICE)
+    slots = torch.arange(tokens, device=DEVICE)
+    caches = [tuple(torch.zeros(tokens, 1, kv_heads, d, device=DEVICE, dtype=torch.float8_e4m3fn) for _ in "kv")
+              for _ in "ab"]
+    args = (qkv, heads, kv_heads, d, qn.weight, qn.weight, eps, rotary.cos, rotary.sin, positions, slots)
+    q, k, v = qk_norm_rope_store(*args, *caches[0], kv_out=True)
+    rows = tokens + 13
+    q8, k8, v8, v_amax = qk_norm_rope_store(*args, *caches[1], fp8_rows=rows)
+    fp8 = torch.float8_e4m3fn
+    assert q8.shape == (rows, heads, d) and k8.shape == v8.shape == (rows, kv_heads, d)
+    assert q8.dtype == k8.dtype == v8.dtype == fp8
+    k_cache, v_cache = caches[1]
+    for got, cached in ((k8, k_cache), (v8, v_cache)):  # the cache's bytes: one conversion
+        assert torch.equal(got[:tokens].view(torch.uint8), cached.view(tokens, kv_heads, d).view(torch.uint8))
+    want = as_cached(q, q8).float()
+    if DEVICE.type == "cuda":
+        assert torch.equal(q8[:tokens].float(), want)
+    else:  # Triton 3.6's interpreter rounds some values otherwise (tests/test_kv_cache_fp8.py says which)
+        assert (q8[:tokens].float() == want).float().mean() > 0.95
+    for got in (q8, k8, v8):
+        assert torch.equal(got[tokens:].float(), torch.zeros_like(got[tokens:].float()))
+    assert v8.float().abs().max() == 448 and q8.float().abs().max() == 448 and not q8.float().isnan().any()
+    assert v_amax.shape == (1,) and v_amax.item() == v8.float().abs().max().item()
+    for a, b in zip(*caches):  # the cache gets the same bytes either way
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    with pytest.raises(ValueError, match="fp8_rows"):
+        qk_norm_rope_store(*args, *caches[1], fp8_rows=tokens - 1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 # None: defaults; 40 splits: a merge of several warps (decode_attention.merge_warps)
 @pytest.mark.parametrize("splits,block_n", [(1, 16), (3, 16), (8, 16), (16, 64), (40, 16), (None, None)])

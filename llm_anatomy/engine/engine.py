@@ -197,7 +197,8 @@ class Engine:
         self.max_num_seqs = cfg.max_num_seqs
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_fp8 else dtype  # what the KV pool stores
         self.plan = choose_plan(cfg, device, dtype_name(model.model.layers[0].self_attn.qkv_proj.weight.dtype),
-                                dtype_name(self.kv_dtype), dtype_name(model.lm_head.weight.dtype))
+                                dtype_name(self.kv_dtype), dtype_name(model.lm_head.weight.dtype),
+                                (config.num_attention_heads, config.num_key_value_heads, config.head_dim))
         progress("sizing the KV cache")
         blocks = self._kv_blocks(cfg.kv_cache_tokens, cfg.gpu_memory_utilization)
         self.pool = KVCachePool(config, blocks, cfg.block_size, self.kv_dtype, device)

@@ -73,6 +73,10 @@ class ExecutionPlan:
     # the CUDA kernel whose row a thread-block cluster shares (kernels/fp8_quant_cuda.py) instead of Triton's one
     # program a row: the same bits.
     cuda_gated_quant: bool = False
+    # With fp8 weights and KV cache, a fresh prompt's prefill attention, alone in its step and of
+    # attention.FP8_PREFILL_MIN_TOKENS tokens or more, in cuDNN's fp8 SDPA (kernels/fp8_prefill_attention.py): Q, K
+    # and V as the cache stores them, the output in fp8 rows for o_proj's W8A8 product.
+    fp8_prefill_attention: bool = False
     gemv_tiles: Mapping = field(default_factory=lambda: MappingProxyType({}))  # tile_key -> Tile (tuning.py)
     decode_attention: DecodeAttentionPlan = DecodeAttentionPlan()
     weight_dtype: str = "bfloat16"  # the linear layers' weights: the model dtype, or "float8_e4m3fn"
@@ -106,16 +110,17 @@ class ExecutionPlan:
         return {"kernels": self.kernels, "cuda_graphs": self.cuda_graphs, "pdl": self.pdl,
                 "stream_gemv": self.stream_gemv, "norm_in_gemv": self.norm_in_gemv,
                 "residual_in_gemm": self.residual_in_gemm, "lookahead": self.lookahead,
-                "cuda_gated_quant": self.cuda_gated_quant,
+                "cuda_gated_quant": self.cuda_gated_quant, "fp8_prefill_attention": self.fp8_prefill_attention,
                 "weight_dtype": self.weight_dtype, "head_dtype": self.head_dtype, "kv_cache_dtype": self.kv_cache_dtype,
                 "gemv_tiles": {"x".join(map(str, k)): str(t) for k, t in self.gemv_tiles.items()},
                 "decode_attention": vars(self.decode_attention).copy()}
 
 
 def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, kv_cache_dtype: str,
-                head_dtype: str = "bfloat16") -> ExecutionPlan:
+                head_dtype: str = "bfloat16", attention_heads: tuple[int, int, int] | None = None) -> ExecutionPlan:
     """The plan this device can run for this config (before the GEMV tiles are tuned). A feature the config
-    asks for stays off where the device cannot do it (PDL before Hopper, no NVRTC for the streaming GEMV)."""
+    asks for stays off where the device cannot do it (PDL before Hopper, no NVRTC for the streaming GEMV).
+    attention_heads: the model's (heads, kv_heads, head_dim), which the fp8 prefill attention is checked for."""
     cuda = device.type == "cuda"
     kernels = use_kernels(device) and cuda if config.fast_path is None else config.fast_path
     if kernels and not use_kernels(device):
@@ -131,11 +136,15 @@ def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, k
         from ..kernels.stream_gemv import available
 
         stream = available(device)
-    fp8_cuda = False
+    fp8_cuda = fp8_prefill = False
     if kernels and cuda and kv_cache_dtype == "float8_e4m3fn":
         from ..kernels.fp8_decode_attention import available as fp8_attention_available
 
         fp8_cuda = fp8_attention_available(device)
+        if attention_heads is not None and weight_dtype == "float8_e4m3fn":  # its fp8 output is o_proj's W8A8 input
+            from ..kernels.fp8_prefill_attention import available as fp8_prefill_available
+
+            fp8_prefill = fp8_prefill_available(device, *attention_heads)
     cuda_gated_quant = False
     if kernels and cuda and weight_dtype == "float8_e4m3fn":
         from ..kernels.fp8_quant_cuda import available as cuda_gated_quant_available
@@ -143,7 +152,7 @@ def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, k
         cuda_gated_quant = cuda_gated_quant_available(device)
     return ExecutionPlan(kernels=kernels, cuda_graphs=graphs, pdl=pdl, stream_gemv=stream, norm_in_gemv=stream,
                          residual_in_gemm=kernels, lookahead=cuda if config.lookahead is None else config.lookahead,
-                         cuda_gated_quant=cuda_gated_quant,
+                         cuda_gated_quant=cuda_gated_quant, fp8_prefill_attention=fp8_prefill,
                          decode_attention=DecodeAttentionPlan(fp8_cuda=fp8_cuda),
                          weight_dtype=weight_dtype, head_dtype=head_dtype,
                          kv_cache_dtype=kv_cache_dtype)

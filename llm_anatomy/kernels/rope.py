@@ -6,7 +6,9 @@ matching value heads. A decode step has a few tokens (one per sequence) and gets
 of thousands gets blocks of 32, so that a program moves 16 KB rather than 512 bytes (a program per token
 and head took several times as long; benchmarks/README.md). A slot of -1 (a padded row of a
 CUDA-graph batch) stores nothing. A prefill also gets this step's K and V as contiguous tensors (kv_out), which
-its attention reads instead of gathering them back out of the cache.
+its attention reads instead of gathering them back out of the cache; for cuDNN's fp8 attention
+(kernels/fp8_prefill_attention.py) Q, K and V come in fp8 as an fp8 cache stores them (scale 1), zero rows padding
+them to the attention's length, with the largest |V| stored (the output's scale).
 """
 
 import torch
@@ -29,16 +31,18 @@ def _cache_value(x, cache_ptr):
 
 # The token count and the index vectors' addresses change with every prompt (an odd-length prompt's positions
 # sit 8 bytes off 16); specialising on them compiled a new kernel, 0.3-0.5 s, at new prompt lengths.
-@triton.jit(do_not_specialize=["tokens"], do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
+@triton.jit(do_not_specialize=["tokens", "rows"], do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_out_ptr, v_out_ptr, qn_ptr, kn_ptr,
-                               cos_ptr, sin_ptr, pos_ptr, slot_ptr, tokens, stride_qkv, stride_qo, n_heads, n_kv_heads,
-                               eps, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
-                               KV_OUT: tl.constexpr, USE_PDL: tl.constexpr):
+                               cos_ptr, sin_ptr, pos_ptr, slot_ptr, v_amax_ptr, tokens, rows, stride_qkv, stride_qo,
+                               n_heads, n_kv_heads, eps, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                               HAS_NORM: tl.constexpr, KV_OUT: tl.constexpr, V_AMAX: tl.constexpr,
+                               USE_PDL: tl.constexpr):
     gdc_enter(USE_PDL)
     h = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < tokens
+    omask = t < rows  # q, k and v out: `rows` >= tokens, the rows past the tokens zeros (a = b = v = 0 there)
     d = tl.arange(0, half)
     is_q = h < n_heads
     kv_h = h - n_heads
@@ -67,8 +71,8 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_o
     o2 = (b * cos + a * sin).to(dtype)
     if is_q:
         out = q_out_ptr + t.to(tl.int64)[:, None] * stride_qo + h * HEAD_DIM + d[None, :]
-        tl.store(out, o1, mask=tmask[:, None])
-        tl.store(out + half, o2, mask=tmask[:, None])
+        tl.store(out, _cache_value(o1, q_out_ptr), mask=omask[:, None])
+        tl.store(out + half, _cache_value(o2, q_out_ptr), mask=omask[:, None])
     else:
         slot = tl.load(slot_ptr + t, mask=tmask, other=-1)
         smask = (slot >= 0)[:, None]
@@ -81,27 +85,41 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_o
         tl.store(v_cache_ptr + dst + full, _cache_value(v, v_cache_ptr), mask=smask)
         if KV_OUT:  # every row, padded ones too: [tokens, KVH, D]
             row = t.to(tl.int64)[:, None] * (n_kv_heads * HEAD_DIM) + kv_h * HEAD_DIM
-            tl.store(k_out_ptr + row + d[None, :], o1, mask=tmask[:, None])
-            tl.store(k_out_ptr + row + half + d[None, :], o2, mask=tmask[:, None])
-            tl.store(v_out_ptr + row + full, v, mask=tmask[:, None])
+            tl.store(k_out_ptr + row + d[None, :], _cache_value(o1, k_out_ptr), mask=omask[:, None])
+            tl.store(k_out_ptr + row + half + d[None, :], _cache_value(o2, k_out_ptr), mask=omask[:, None])
+            v_out = _cache_value(v, v_out_ptr)
+            tl.store(v_out_ptr + row + full, v_out, mask=omask[:, None])
+            if V_AMAX:
+                tl.atomic_max(v_amax_ptr, tl.max(tl.max(tl.abs(v_out.to(tl.float32)), axis=1), axis=0))
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, kv_out: bool = False, pdl: bool = False):
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, kv_out: bool = False, pdl: bool = False,
+                       fp8_rows: int | None = None):
     """qkv [tokens, (H + 2 KVH) x D] -> q [tokens, H, D]; K and V go into the layer's cache [slots..., KVH, D].
-    With kv_out, returns (q, k, v), k and v [tokens, KVH, D] as stored."""
+    With kv_out, returns (q, k, v), k and v [tokens, KVH, D] as stored. With fp8_rows (>= tokens), returns (q, k, v,
+    v_amax): q [fp8_rows, H, D], k and v [fp8_rows, KVH, D] in float8 e4m3 as an fp8 cache stores them (scale 1,
+    saturating), zeros past the tokens, and v_amax (float32 [1]) the largest |v| of those."""
     tokens = qkv.shape[0]
-    q = torch.empty(tokens, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    rows = tokens if fp8_rows is None else fp8_rows
+    if rows < tokens:
+        raise ValueError(f"fp8_rows ({fp8_rows}) must be at least the tokens ({tokens})")
+    out_dtype = qkv.dtype if fp8_rows is None else torch.float8_e4m3fn
+    kv_out = kv_out or fp8_rows is not None
+    q = torch.empty(rows, n_heads, head_dim, dtype=out_dtype, device=qkv.device)
     # kv_out: this step's K and V in the model's dtype (an fp8 cache stores them rounded; the prefill reads these)
-    k = torch.empty(tokens, n_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if kv_out else q
+    k = torch.empty(rows, n_kv_heads, head_dim, dtype=out_dtype, device=qkv.device) if kv_out else q
     v = torch.empty_like(k) if kv_out else q
+    v_amax = torch.zeros(1, dtype=torch.float32, device=qkv.device) if fp8_rows is not None else cos
     has_norm = q_norm is not None
     block_t = min(MAX_BLOCK_T, triton.next_power_of_2(max(1, tokens // 64)))  # decode batches: blocks of 1
-    _qk_norm_rope_store_kernel[(triton.cdiv(tokens, block_t), n_heads + n_kv_heads)](
+    _qk_norm_rope_store_kernel[(triton.cdiv(rows, block_t), n_heads + n_kv_heads)](
         qkv, q, k_cache, v_cache, k, v, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin,
-        positions, slot_mapping, tokens, qkv.stride(0), q.stride(0), n_heads, n_kv_heads, eps, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, HAS_NORM=has_norm, KV_OUT=kv_out, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=1 if block_t == 1 else 4)
+        positions, slot_mapping, v_amax, tokens, rows, qkv.stride(0), q.stride(0), n_heads, n_kv_heads, eps,
+        HEAD_DIM=head_dim, BLOCK_T=block_t, HAS_NORM=has_norm, KV_OUT=kv_out, V_AMAX=fp8_rows is not None,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=1 if block_t == 1 else 4)
+    if fp8_rows is not None:
+        return q, k, v, v_amax
     return (q, k, v) if kv_out else q

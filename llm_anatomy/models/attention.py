@@ -160,6 +160,21 @@ GROUPED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPB
                     SDPBackend.MATH]
 
 
+# A fresh prompt of this many tokens or more, alone in its step, is attended in fp8 where the plan says
+# (ExecutionPlan.fp8_prefill_attention): those past the prefill graphs' longest (graphs.PREFILL_GRAPH_TOKENS), whose
+# replays attend by FlashAttention's variable-length call, so that the same prompts take it with graphs or without.
+FP8_PREFILL_MIN_TOKENS = 2049
+
+
+def fp8_prefill_rows(batch: AttentionBatch) -> int | None:
+    """The length a step's fp8 prefill attention (kernels/fp8_prefill_attention.py) runs at, its prompt's bucket,
+    where it takes the step: a fresh prompt of FP8_PREFILL_MIN_TOKENS or more alone, not in a CUDA graph."""
+    if (not batch.is_prefill or batch.varlen is not None or batch.num_decodes or len(batch.query_lens) != 1
+            or batch.prefix_lens[0] or batch.query_lens[0] < FP8_PREFILL_MIN_TOKENS):
+        return None
+    return prefill_bucket(batch.query_lens[0])
+
+
 def prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
     if q.is_cuda:
         with sdpa_kernel(GPU_PREFILL_BACKENDS, set_priority=True):

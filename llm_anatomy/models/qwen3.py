@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.plan import REFERENCE_PLAN, ExecutionPlan
-from .attention import AttentionBatch, attend, prefill_step_attention
+from .attention import AttentionBatch, attend, fp8_prefill_rows, prefill_step_attention
 from .config import ModelConfig
 
 try:  # the fast path's kernels; without Triton the model runs the PyTorch path only
@@ -220,6 +220,8 @@ class Attention(nn.Module):
         qkv = linear(x, self.qkv_proj, plan)
         if plan.kernels:
             out = self._fast_attention(qkv, positions, rotary, batch, plan)
+            if not isinstance(out, torch.Tensor):  # fp8 attention's rows (quant.Fp8Rows), as a W8A8 o_proj takes them
+                return residual_linear(out if is_fp8(self.o_proj) else out.dequantized(), self.o_proj, plan, residual)
             return residual_linear(out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj, plan, residual)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -231,14 +233,23 @@ class Attention(nn.Module):
         out = attend(q, k, v, self.layer_idx, batch)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
-    def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch, plan: ExecutionPlan) -> torch.Tensor:
-        """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel."""
+    def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch, plan: ExecutionPlan):
+        """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel; a
+        prompt the plan attends in fp8 gets its output as quant.Fp8Rows."""
         k_cache, v_cache = batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx]
+        fp8_rows = fp8_prefill_rows(batch) if plan.fp8_prefill_attention else None
         out = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                  self.q_norm.weight if self.qk_norm else None,
                                  self.k_norm.weight if self.qk_norm else None,
                                  self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
-                                 batch.slot_mapping, k_cache, v_cache, kv_out=batch.is_prefill, pdl=plan.pdl)
+                                 batch.slot_mapping, k_cache, v_cache, kv_out=batch.is_prefill, pdl=plan.pdl,
+                                 fp8_rows=fp8_rows)
+        if fp8_rows is not None:
+            from ..kernels import fp8_prefill_attention
+            from .quant import Fp8Rows  # quant imports this module
+
+            values, scale = fp8_prefill_attention.attention(*out, tokens=qkv.shape[0])
+            return Fp8Rows(values, scale, qkv.dtype)
         scale = self.head_dim ** -0.5
         width = self.num_heads * self.head_dim
 

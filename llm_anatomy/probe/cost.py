@@ -26,6 +26,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..engine.plan import DecodeAttentionPlan
+from ..models.attention import FP8_PREFILL_MIN_TOKENS
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ class KernelShapes:
     # come from kernels/fp8_quant.py, which reads the attention's output and the gate_up product (`quantize`).
     # No fp8 product adds into the residual stream, so the norms read the product and the stream.
     w8a8: bool = False
+    # The plan's fp8 prefill attention (kernels/fp8_prefill_attention.py): a fresh prompt alone of
+    # attention.FP8_PREFILL_MIN_TOKENS or more reads its queries in fp8 and hands o_proj its output in fp8 rows,
+    # which then need no quantization kernel.
+    fp8_prefill_attention: bool = False
 
     def kv_bytes_per_token(self, c: ModelConfig, dtype: torch.dtype) -> int:
         return c.num_hidden_layers * 2 * c.kv_size * (self.kv_size or dtype.itemsize)
@@ -192,8 +197,10 @@ def _linear_bytes(rows: int, n: int, k: int, size: int, shapes: KernelShapes, ga
     return w * wsize + scales, a * in_size + row_scales + stream
 
 
-def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShapes) -> dict[str, float]:
-    """Bytes of all decoder layers' kernels for a step of `tokens` tokens, by part (attention's K/V apart)."""
+def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShapes, fp8_attention: bool = False
+            ) -> dict[str, float]:
+    """Bytes of all decoder layers' kernels for a step of `tokens` tokens, by part (attention's K/V apart);
+    fp8_attention: a prefill attended in fp8 (KernelShapes.fp8_prefill_attention)."""
     s, h, inter = dtype.itemsize, c.hidden_size, c.intermediate_size
     qkv = c.q_size + 2 * c.kv_size
     weights = inputs = 0.0
@@ -211,7 +218,8 @@ def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShape
     # GEMV's SiLU * up, a GEMM's [gate, up])
     quantize = 0.0
     if shapes.w8a8 and dtype == torch.bfloat16 and tokens > 1:
-        quantize = tokens * (c.q_size + (inter if tokens <= shapes.gemv_max_rows else 2 * inter)) * s
+        o_input = 0 if fp8_attention else c.q_size  # the fp8 attention writes o_proj's input quantized
+        quantize = tokens * (o_input + (inter if tokens <= shapes.gemv_max_rows else 2 * inter)) * s
     layers = c.num_hidden_layers
     return {
         "linear": layers * (weights + layer_norm_params(c) * s),
@@ -222,7 +230,7 @@ def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShape
         "activation": 0.0 if fused_gate else layers * tokens * 2 * inter * s,  # SiLU * up, unfused
         "quantize": layers * quantize,
         "bias": layers * tokens * qkv * s if c.attention_bias else 0.0,  # the bias add after the qkv product
-        "attention_q": layers * tokens * c.q_size * s,  # attention reads the rotated queries
+        "attention_q": layers * tokens * c.q_size * (1 if fp8_attention else s),  # attention reads the rotated queries
     }
 
 
@@ -236,9 +244,9 @@ def attention_flops(c: ModelConfig, query_tokens: int, prefix: int, causal: bool
 
 
 def _step(c: ModelConfig, dtype: torch.dtype, tokens: int, sampled: int, attention_flops_: float, kv_read: float,
-          partials: float, shapes: KernelShapes) -> Cost:
+          partials: float, shapes: KernelShapes, fp8_attention: bool = False) -> Cost:
     s, h = dtype.itemsize, c.hidden_size
-    layer = _layers(c, dtype, tokens, shapes)
+    layer = _layers(c, dtype, tokens, shapes, fp8_attention)
     final_norm = (2 if tokens <= shapes.gemv_max_rows or shapes.weight_size else 1) * tokens * h * s
     # An fp8 lm_head's W8A8 product over more than one row quantizes them first (a read of the bf16 rows), then
     # reads them as fp8 rows with a float32 scale each; one row is the streaming GEMV's, which reads it in bf16.
@@ -269,8 +277,10 @@ def prefill_cost(c: ModelConfig, dtype: torch.dtype, seqs: list[tuple[int, int]]
     tokens = sum(n for n, _ in seqs)
     logits_tokens = len(seqs) if logits_tokens is None else logits_tokens
     kv_read = sum(p + n for n, p in seqs) * shapes.kv_bytes_per_token(c, dtype)
+    fp8_attention = (shapes.fp8_prefill_attention and len(seqs) == 1 and seqs[0][1] == 0
+                     and seqs[0][0] >= FP8_PREFILL_MIN_TOKENS)
     return _step(c, dtype, tokens, logits_tokens, sum(attention_flops(c, n, p, causal) for n, p in seqs), kv_read,
-                 0.0, shapes)
+                 0.0, shapes, fp8_attention)
 
 
 def decode_cost(c: ModelConfig, dtype: torch.dtype, context_lens: list[int], shapes: KernelShapes = DEFAULT_SHAPES
@@ -307,6 +317,7 @@ def device_shapes(device: torch.device, plan=None) -> KernelShapes:
         shapes = replace(shapes, attention=plan.decode_attention, weight_size=1 if fp8_weights else 0,
                          head_size=1 if plan.head_dtype == "float8_e4m3fn" else 0,
                          weight_row_scale_bytes=4 if fp8_weights else 0, w8a8=fp8_weights and w8a8_device(device),
-                         kv_size=1 if plan.kv_cache_dtype == "float8_e4m3fn" else 0)
+                         kv_size=1 if plan.kv_cache_dtype == "float8_e4m3fn" else 0,
+                         fp8_prefill_attention=plan.fp8_prefill_attention)
     return shapes
 
