@@ -40,20 +40,20 @@ def test_fp8_attention_against_float32_over_the_same_values(n, rows):
     from llm_anatomy.kernels.fp8_prefill_attention import O_MARGIN, attention
 
     g = torch.Generator(device="cuda").manual_seed(n)
-    q = torch.randn(n, HEADS, D, device="cuda", generator=g) * 2
-    k = torch.randn(n, KV_HEADS, D, device="cuda", generator=g) * 2
+    q = torch.randn(n, HEADS, D, device="cuda", generator=g)  # as QK-norm leaves them
+    k = torch.randn(n, KV_HEADS, D, device="cuda", generator=g)
     v = torch.randn(n, KV_HEADS, D, device="cuda", generator=g) * 0.3
     q8, k8, v8 = (_fp8_rows(x, rows) for x in (q, k, v))
     v_amax = v8.float().abs().amax().view(1)
     values, scale = attention(q8, k8, v8, v_amax, tokens=n)
     assert values.shape == (n, HEADS * D) and values.dtype == torch.float8_e4m3fn and scale.shape == (n, 1)
-    assert torch.all(scale == v_amax * O_MARGIN / 448)
+    assert torch.allclose(scale, (v_amax * O_MARGIN / 448).expand(n, 1), rtol=1e-6, atol=0)
     got = (values.float() * scale).view(n, HEADS, D)
     assert got.isfinite().all()
     same_values = _reference(q8[:n], k8[:n], v8[:n])  # the probabilities' and the output's fp8 rounding only
-    assert ((got - same_values).norm() / same_values.norm()).item() < 0.05  # 0.034 measured
+    assert ((got - same_values).norm() / same_values.norm()).item() < 0.05
     exact = _reference(q, k, v)  # and the inputs' too
-    assert ((got - exact).norm() / exact.norm()).item() < 0.08  # 0.054 measured
+    assert ((got - exact).norm() / exact.norm()).item() < 0.08
 
 
 def test_fp8_attention_of_all_zero_values_is_zero():
