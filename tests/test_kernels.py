@@ -272,7 +272,9 @@ def test_fast_path_model_equals_reference(save_tiny, budget, mixed, model_type, 
             return rows[-1]
 
         engine.runner.run = recording
-        outs = engine.generate_many(prompts, temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+        # at the GEMV's shapes the interpreter takes seconds a decode step: fewer of them (the GPU runs all ten)
+        steps = 4 if shapes and DEVICE.type == "cpu" else 10
+        outs = engine.generate_many(prompts, temperature=0, max_tokens=steps, ignore_eos=True, logprobs=2)
         logits[name] = (torch.cat(rows), [o.output_token_ids for o in outs], [o.logprobs for o in outs])
     assert logits["fast"][1] == logits["reference"][1]
     assert rel(logits["fast"][0], logits["reference"][0]) < 1e-5
