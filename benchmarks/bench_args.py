@@ -36,6 +36,16 @@ def positive_real(text: str) -> float:
     return value
 
 
+def non_negative_real(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"want a number >= 0, got {text!r}")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """A comma-separated list of positive whole numbers, e.g. 1,64,256."""
     parts = [p.strip() for p in text.split(",")]

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import httpx
 
-from bench_args import Parser, as_cpu_list, cpu_list, output_file, positive_int, positive_ints, positive_real
+from bench_args import (Parser, as_cpu_list, cpu_list, non_negative_real, output_file, positive_int, positive_ints,
+                        positive_real)
 
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 WINDOW_S = 5.0  # the windows of a level's output tok/s over time (by_window)
@@ -505,6 +506,10 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--max-num-batched-tokens", type=positive_int, help="for the server and the bare engine "
                                                                         "(default: their own)")
     ap.add_argument("--mixed-steps", action="store_true", help="for the server and the bare engine")
+    ap.add_argument("--max-waiting-tokens", type=positive_int,
+                    help="for the server and the bare engine (TGI's rule; default: theirs, 0)")
+    ap.add_argument("--waiting-served-ratio", type=non_negative_real,
+                    help="for the server and the bare engine, with --max-waiting-tokens (default: TGI's 1.2)")
     ap.add_argument("--stream-interval", type=positive_int, help="passed to the server (default: its own)")
     ap.add_argument("--anatomy-processes", type=positive_int, help="passed to the server (default: its own)")
     ap.add_argument("--api-server-count", type=positive_int, help="passed to the server (default: its own)")
@@ -523,11 +528,14 @@ def parse_args(argv: list[str] | None):
     sys.path.insert(0, str(THIS_CHECKOUT))  # this checkout's llm_anatomy (the flags' checks import it too), as the
     # server it starts runs it
     args = ap.parse_args(argv)
+    from llm_anatomy.engine.config import EngineConfig
     from llm_anatomy.errors import AnatomyError
     from llm_anatomy.hub import resolve
 
     try:
         resolve(args.model)
+        EngineConfig(mixed_steps=args.mixed_steps, max_waiting_tokens=args.max_waiting_tokens or 0,
+                     waiting_served_ratio=args.waiting_served_ratio)  # the settings' checks across flags
     except AnatomyError as e:
         ap.error(str(e))
     return args
@@ -649,6 +657,9 @@ def main(argv: list[str] | None = None) -> None:
     result.update({f"{who}_cpus": as_cpu_list(cpus) if cpus else "all"
                    for who, cpus in (("server", args.server_cpus), ("client", args.client_cpus))})
     settings = {"mixed_steps": args.mixed_steps}
+    for name in ("max_waiting_tokens", "waiting_served_ratio"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
     if args.max_num_batched_tokens:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
     profile_dir = args.out.parent / "profiles" if args.profile_seconds else None
@@ -662,6 +673,8 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.monotonic()
     extra = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []
     extra += ["--mixed-steps"] if args.mixed_steps else []
+    extra += ["--max-waiting-tokens", str(args.max_waiting_tokens)] if args.max_waiting_tokens else []
+    extra += ["--waiting-served-ratio", str(args.waiting_served_ratio)] if args.waiting_served_ratio is not None else []
     extra += ["--stream-interval", str(args.stream_interval)] if args.stream_interval else []
     extra += ["--anatomy-processes", str(args.anatomy_processes)] if args.anatomy_processes else []
     extra += ["--api-server-count", str(args.api_server_count)] if args.api_server_count else []

@@ -349,6 +349,13 @@ def add_serve(sub) -> None:
     srv.add_argument("--mixed-steps", action="store_true",
                      help="decode the running requests in every step, prompts filling the rest of it (lower time to "
                           "first token under load; the default prefills first, in steps CUDA graphs cover)")
+    srv.add_argument("--max-waiting-tokens", type=integer(0, 1_000_000), default=0,
+                     help="TGI's rule: while requests decode, new prompts wait up to this many decode steps for "
+                          "more to join them in one prefill step (each prefill step stops every stream's decode); "
+                          "default 0: prefill in the next step")
+    srv.add_argument("--waiting-served-ratio", type=real(0),
+                     help="with --max-waiting-tokens: prefill at once when this many times the running requests "
+                          "wait (default TGI's 1.2)")
     srv.add_argument("--gpu-memory-utilization", type=real(0, 1, low_open=True),
                      help="on a GPU, the fraction of its memory to use, in (0, 1], the KV pool taking what the rest "
                           "leaves (default 0.9); or size the pool with --kv-cache-tokens")
@@ -383,9 +390,14 @@ def _serve_preflight(args, model: str) -> str:
     from .hub import resolve
     from .models.config import ModelConfig, parse_dtype
 
+    from .engine.config import EngineConfig
+
     check_precision(args)
     if args.dtype is not None:
         parse_dtype(args.dtype)
+    # the scheduling settings' checks that span flags (the engine's own, made here before its process starts)
+    EngineConfig(mixed_steps=args.mixed_steps, max_waiting_tokens=args.max_waiting_tokens,
+                 waiting_served_ratio=args.waiting_served_ratio)
     source = resolve(model)
     context = ModelConfig.from_hf(source.config).max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > context:
@@ -417,7 +429,8 @@ def cmd_serve(args) -> int:
     spec = EngineSpec.of(model, device=args.device, dtype=args.dtype, weights=args.weights,
                          kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         mixed_steps=args.mixed_steps, quantization=args.quantization,
+                         mixed_steps=args.mixed_steps, max_waiting_tokens=args.max_waiting_tokens,
+                         waiting_served_ratio=args.waiting_served_ratio, quantization=args.quantization,
                          quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
                          gpu_memory_utilization=args.gpu_memory_utilization or 0.9)
     builders = args.anatomy_processes or default_builders()

@@ -313,6 +313,11 @@ def test_check_core_refuses_a_case_longer_than_the_model_before_any_case_runs(sc
     (["--profile-seconds", "inf"], "argument --profile-seconds: want a positive number"),
     (["--profile-seconds", "x"], "argument --profile-seconds: want a positive number"),
     (["--profile-seconds", "31"], "argument --profile-seconds: want at most 30 s"),
+    (["--max-waiting-tokens", "0"], "argument --max-waiting-tokens: want a positive whole number"),
+    (["--max-waiting-tokens", "4", "--waiting-served-ratio", "-1"], "argument --waiting-served-ratio: want a number"),
+    (["--max-waiting-tokens", "4", "--waiting-served-ratio", "nan"], "argument --waiting-served-ratio: want a number"),
+    (["--waiting-served-ratio", "1.5"], "(--waiting-served-ratio) ends the wait"),
+    (["--max-waiting-tokens", "8", "--mixed-steps"], "use one"),
 ])
 def test_serve_sweep_refuses_bad_input_with_one_line(scripts, capsys, argv, message):
     assert message in refused(scripts("serve_sweep").main, argv, capsys)

@@ -202,6 +202,13 @@ def test_bad_calls_are_refused_before_the_weights_load(capsys, checkpoint, no_lo
     (["--quantize-lm-head", "--kv-cache-dtype", "fp8"], "quantize_lm_head (--quantize-lm-head) needs "
                                                          "quantization='fp8'"),
     (["--log-level", "loud"], "invalid choice: 'loud'"),
+    (["--max-waiting-tokens", "-1"], "--max-waiting-tokens must be >= 0, got -1"),
+    (["--max-waiting-tokens", "1000001"], "--max-waiting-tokens must be <= 1000000"),
+    (["--max-waiting-tokens", "2.5"], "--max-waiting-tokens must be an integer"),
+    (["--max-waiting-tokens", "4", "--waiting-served-ratio", "inf"], "--waiting-served-ratio must be a finite"),
+    (["--max-waiting-tokens", "4", "--waiting-served-ratio", "-1"], "--waiting-served-ratio must be >= 0"),
+    (["--waiting-served-ratio", "2"], "ends the wait that max_waiting_tokens (--max-waiting-tokens) sets"),
+    (["--max-waiting-tokens", "4", "--mixed-steps"], "use one"),
 ])
 def test_bad_serve_flags_are_refused_while_parsing(capsys, no_config_read, argv, message):
     code, _, err = run(capsys, "serve", "--device", "cpu", *argv)
@@ -517,3 +524,26 @@ def test_quantize_lm_head_reaches_the_engine_of_call_and_serve(capsys, checkpoin
             main([str(a) for a in argv] + ["--quantization", "fp8", "--quantize-lm-head"])
     assert seen["call"]["quantization"] == "fp8" and seen["call"]["quantize_lm_head"] is True
     assert seen["serve"]["quantization"] == "fp8" and seen["serve"]["quantize_lm_head"] is True
+
+
+def test_max_waiting_tokens_reaches_serves_engine(capsys, checkpoint, monkeypatch):
+    """serve's --max-waiting-tokens and --waiting-served-ratio reach the engine spec (not accepted and dropped);
+    left out, the engine's defaults (no wait)."""
+    import llm_anatomy.server.app
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def server(spec, **kwargs):
+        seen.append(dict(spec.settings))
+        raise Stop
+
+    monkeypatch.setattr(llm_anatomy.server.app, "build_server", server)
+    base = ["serve", str(checkpoint), "--device", "cpu", "--no-calibrate"]
+    for extra in (["--max-waiting-tokens", "20", "--waiting-served-ratio", "0.5"], []):
+        with pytest.raises(Stop):
+            main(base + extra)
+    assert seen[0]["max_waiting_tokens"] == 20 and seen[0]["waiting_served_ratio"] == 0.5
+    assert seen[1]["max_waiting_tokens"] == 0 and seen[1]["waiting_served_ratio"] is None

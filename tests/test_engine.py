@@ -505,3 +505,46 @@ def test_batch_prefill_graphs_give_the_eager_steps_tokens(save_tiny, monkeypatch
     outs = [e.generate_many(many, temperature=0, max_tokens=3, ignore_eos=True) for e in (graphed, eager)]
     assert [o.output_token_ids for o in outs[0]] == [o.output_token_ids for o in outs[1]]
     assert replays == [(7, 768)]
+
+
+def _first_token_after(save_tiny, **settings):
+    """Sequence a decodes alone; b arrives after a's prefill. How many tokens a has when b gets its first one, and
+    whether the engine's tokens are those of an engine without the setting."""
+    directory, _ = save_tiny()
+    engine = Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=512,
+                                    max_num_seqs=4, **settings)
+    params = engine.sampling_params(temperature=0, max_tokens=12, ignore_eos=True)
+    a = engine.add_request([5, 9, 2, 7], params)
+    engine.step()
+    b = engine.add_request([8, 8, 1], params)
+    seen = None
+    while not (a.finished and b.finished):
+        engine.step()
+        if seen is None and b.output_token_ids:
+            seen = len(a.output_token_ids)
+    return seen, (a.output_token_ids, b.output_token_ids)
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_max_waiting_tokens_holds_a_new_prompt_back_while_others_decode(save_tiny, lookahead):
+    """TGI's rule: with max_waiting_tokens N a prompt that arrives while a sequence decodes is prefilled once N
+    decode steps have run since prompts last joined (a's own prefill), or at once when waiting_served_ratio x the
+    running sequences wait; without it, in the next step. The tokens are the same either way."""
+    at_once, tokens = _first_token_after(save_tiny, lookahead=lookahead)
+    waited, same = _first_token_after(save_tiny, lookahead=lookahead, max_waiting_tokens=5, waiting_served_ratio=2.0)
+    ratio, also = _first_token_after(save_tiny, lookahead=lookahead, max_waiting_tokens=5, waiting_served_ratio=1.0)
+    assert at_once == 1 + lookahead  # a's prefill token (and, ahead, the decode step launched beside b's arrival)
+    assert waited == 1 + 5  # a's prefill token and the five decode steps b waited for
+    assert ratio == at_once  # 1 waiting >= 1.0 x 1 running: no wait
+    assert same == tokens == also
+
+
+def test_a_prompt_is_never_held_back_when_nothing_decodes(save_tiny):
+    directory, _ = save_tiny()
+    engine = Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, kv_cache_tokens=512,
+                                    max_num_seqs=4, max_waiting_tokens=1000)
+    seq = engine.add_request([5, 9, 2], engine.sampling_params(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    assert seq.output_token_ids and engine.scheduler.decode_steps_since_admit == 0
+    engine.step()
+    assert seq.finished and engine.scheduler.decode_steps_since_admit == 1

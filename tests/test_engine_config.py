@@ -40,6 +40,15 @@ def test_engine_config_is_frozen_and_exported():
     (dict(fast_path=1), "fast_path must be True or False or None, got 1"),
     (dict(model=""), "model must be a non-empty string"),
     (dict(device=0), "device must be a string or None"),
+    (dict(max_waiting_tokens=-1), "max_waiting_tokens must be in 0..1000000, got -1"),
+    (dict(max_waiting_tokens=1_000_001), "max_waiting_tokens must be in 0..1000000"),
+    (dict(max_waiting_tokens=2.5), "max_waiting_tokens must be an integer"),
+    (dict(max_waiting_tokens=True), "max_waiting_tokens must be an integer"),
+    (dict(max_waiting_tokens=4, waiting_served_ratio=float("nan")), "waiting_served_ratio must be a finite number"),
+    (dict(max_waiting_tokens=4, waiting_served_ratio=-0.5), "waiting_served_ratio must be a finite number >= 0"),
+    (dict(max_waiting_tokens=4, waiting_served_ratio="1.2"), "waiting_served_ratio must be a finite number"),
+    (dict(waiting_served_ratio=1.0), r"waiting_served_ratio \(--waiting-served-ratio\) ends the wait"),
+    (dict(max_waiting_tokens=4, mixed_steps=True), r"mixed steps \(--mixed-steps\) admit them"),
 ])
 def test_engine_config_refuses_bad_settings(settings, message):
     with pytest.raises(AnatomyError, match=message):

@@ -7,6 +7,7 @@ context) or the device (is there a GPU) are made when the engine is built from t
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -64,6 +65,11 @@ class EngineConfig:
     pdl: bool = True
     stream_gemv: bool = True
     mixed_steps: bool = False  # decode the running sequences in every step, prompts filling the rest
+    # Prefill first, TGI's rule: while sequences decode, waiting prompts wait until this many decode steps have run
+    # since prompts last joined (so that more join in one prefill step), or until they number waiting_served_ratio
+    # times the running sequences (None: TGI's 1.2). 0: prompts are prefilled in the step after they arrive.
+    max_waiting_tokens: int = 0
+    waiting_served_ratio: float | None = None
     lookahead: bool | None = None  # launch step n+1 (a prefill or decode) before reading step n's tokens; None: on CUDA
 
     def __post_init__(self) -> None:
@@ -99,6 +105,17 @@ class EngineConfig:
             raise AnatomyError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("cuda_graphs", "pdl", "stream_gemv", "mixed_steps"):
             _check_switch(name, getattr(self, name))
+        _check_int("max_waiting_tokens", self.max_waiting_tokens, 0, 1_000_000)
+        ratio = self.waiting_served_ratio
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                                  or not math.isfinite(ratio) or ratio < 0):
+            raise AnatomyError(f"waiting_served_ratio must be a finite number >= 0, got {ratio!r}")
+        if ratio is not None and not self.max_waiting_tokens:
+            raise AnatomyError("waiting_served_ratio (--waiting-served-ratio) ends the wait that max_waiting_tokens "
+                               "(--max-waiting-tokens) sets: give that too")
+        if self.max_waiting_tokens and self.mixed_steps:
+            raise AnatomyError("max_waiting_tokens (--max-waiting-tokens) holds prompts back from prefill-first "
+                               "steps; mixed steps (--mixed-steps) admit them into every decode step: use one")
         for name in ("fast_path", "lookahead"):
             _check_switch(name, getattr(self, name), optional=True)
 

@@ -203,7 +203,8 @@ class Engine:
         blocks = self._kv_blocks(cfg.kv_cache_tokens, cfg.gpu_memory_utilization)
         self.pool = KVCachePool(config, blocks, cfg.block_size, self.kv_dtype, device)
         self.admission = Admission(defaults, config.vocab_size, self.max_model_len, cfg.block_size, blocks)
-        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, self.max_num_batched_tokens, cfg.mixed_steps)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, self.max_num_batched_tokens, cfg.mixed_steps,
+                                   cfg.max_waiting_tokens, cfg.waiting_served_ratio)
         self.graphs: GraphRunner | None = None
         self.tile_tuning: TileTuning | None = None
         if self.plan.cuda_graphs:
@@ -465,6 +466,7 @@ class Engine:
             step = Step(next(self._steps), False, seqs, [1] * len(seqs),
                         [s.num_tokens + off for s, off in zip(seqs, ahead.offsets)], now, t_launch_ns=now)
         batch = ScheduledBatch(seqs, [1] * len(seqs), False, seqs, len(seqs))
+        self.scheduler.note_decode_step()
         return self._run(_Pending(batch, step), ahead)
 
     def _run(self, pending: "_Pending", ahead: AheadInputs | None) -> "_Pending":
@@ -507,8 +509,8 @@ class Engine:
         out: they finish when p completes. None when the next step must be scheduled: a prompt being chunked, a
         sequence whose next draw needs p's token on the host (penalties' counts, min_tokens' bans), blocks short,
         or requests waiting under mixed steps (which admit them into the decode step). (Under prefill first,
-        waiting prompts that fit are launched ahead before this is asked; those that do not wait for the step
-        after.)"""
+        waiting prompts that fit are launched ahead before this is asked, when their prefill is due; those that do
+        not wait for the step after.)"""
         if self.scheduler.waiting and self.scheduler.mixed_steps:
             return None
         rows = []
@@ -531,9 +533,9 @@ class Engine:
 
     def _prompts_next(self, in_p: dict[int, int]) -> bool:
         """Whether the step after the one in flight (`in_p` as for _ahead_rows) is, by the prefill-first policy, a
-        prefill of waiting prompts alone, which needs nothing of its tokens: requests wait and every running
-        sequence decodes next (none is a prompt being chunked)."""
-        if self.scheduler.mixed_steps or not self.scheduler.waiting:
+        prefill of waiting prompts alone, which needs nothing of its tokens: requests wait, their prefill is due
+        (Scheduler.prefill_due) and every running sequence decodes next (none is a prompt being chunked)."""
+        if self.scheduler.mixed_steps or not self.scheduler.waiting or not self.scheduler.prefill_due():
             return False
         return all(id(s) in in_p or s.decoding for s in self.scheduler.running)
 

@@ -8,6 +8,9 @@ Two policies:
 - prefill first (the default): a step prefills new prompts (and continues chunked ones), or else decodes
   every running sequence. Running sequences wait during a prefill step (each request's anatomy shows these
   stalls), but every step has a shape the CUDA graphs cover: a decode of the batch, or a short prompt alone.
+  With max_waiting_tokens (TGI's rule), while sequences decode, new prompts wait until that many decode steps
+  have run since prompts last joined, or until they number waiting_served_ratio times the running sequences:
+  fewer, fuller prefill steps, each of which stops every running sequence once, for a longer time to first token.
 - mixed steps: every step decodes the running sequences and fills the rest of the budget with prompts, so
   their tokens ride along in the prefill's matrix products instead of waiting. Such steps run without CUDA
   graphs, so they trade throughput for time to first token (benchmarks/README.md).
@@ -101,12 +104,17 @@ class AheadInputs:
 
 
 CHUNK_ALIGN = 256
+TGI_WAITING_SERVED_RATIO = 1.2  # text-generation-inference's default
 
 
 class Scheduler:
-    def __init__(self, pool: KVCachePool, max_num_seqs: int, max_num_batched_tokens: int, mixed_steps: bool = False):
+    def __init__(self, pool: KVCachePool, max_num_seqs: int, max_num_batched_tokens: int, mixed_steps: bool = False,
+                 max_waiting_tokens: int = 0, waiting_served_ratio: float | None = None):
         self.pool = pool
         self.mixed_steps = mixed_steps
+        self.max_waiting_tokens = max_waiting_tokens
+        self.waiting_served_ratio = TGI_WAITING_SERVED_RATIO if waiting_served_ratio is None else waiting_served_ratio
+        self.decode_steps_since_admit = 0  # TGI's waiting_tokens: decode steps since prompts last joined
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -125,23 +133,38 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefill_due(self) -> bool:
+        """Whether waiting prompts may be prefilled now: always without max_waiting_tokens or with nothing running;
+        else once max_waiting_tokens decode steps have run since prompts last joined, or once waiting_served_ratio
+        times the running sequences wait."""
+        return (not self.max_waiting_tokens or not self.running
+                or self.decode_steps_since_admit >= self.max_waiting_tokens
+                or len(self.waiting) >= self.waiting_served_ratio * len(self.running))
+
+    def note_decode_step(self) -> None:
+        """A decode step was launched (by schedule, or by the engine ahead of the step before it)."""
+        self.decode_steps_since_admit += 1
+
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None when there is nothing to run."""
         seqs, lens = [], []
         budget = self.max_num_batched_tokens
         if self.mixed_steps:  # running sequences first, decoding ones before chunked prompts: decodes always fit
             budget = self._take_running(sorted(self.running, key=lambda s: not s.decoding), budget, seqs, lens)
-        else:  # prefill first: prompts being chunked, then new ones; decode only when there are none
+        else:  # prefill first: prompts being chunked, then new ones when due; decode only when there are none
             budget = self._take_running([s for s in self.running if not s.decoding], budget, seqs, lens)
-        self._admit(budget, seqs, lens)
+        if self.mixed_steps or self.prefill_due():
+            self._admit(budget, seqs, lens)
         if not seqs and not self.mixed_steps:
             self._take_running([s for s in self.running if s.decoding], budget, seqs, lens)
+            if seqs:
+                self.note_decode_step()
         return self._batch(seqs, lens)
 
     def schedule_prompts(self) -> ScheduledBatch | None:
         """A step of waiting prompts alone, in the whole budget: what the prefill-first policy runs next when no
-        prompt is being chunked, for the engine to launch while the step before it still runs. None if none
-        fits (for lack of a sequence slot or blocks)."""
+        prompt is being chunked (and prefill_due), for the engine to launch while the step before it still runs.
+        None if none fits (for lack of a sequence slot or blocks)."""
         seqs, lens = [], []
         self._admit(self.max_num_batched_tokens, seqs, lens)
         return self._batch(seqs, lens)
@@ -186,6 +209,7 @@ class Scheduler:
             if take <= 0 or not seq.block_table.ensure(seq.num_cached + take):
                 break  # it waits (for budget, or for running sequences to free blocks)
             self.waiting.popleft()
+            self.decode_steps_since_admit = 0
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)
