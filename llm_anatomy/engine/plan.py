@@ -16,6 +16,7 @@ import torch
 
 from ..errors import AnatomyError
 from ..kernels import use_kernels
+from ..models.attention import FP8_PREFILL_MIN_TOKENS
 from .config import EngineConfig
 
 
@@ -111,6 +112,7 @@ class ExecutionPlan:
                 "stream_gemv": self.stream_gemv, "norm_in_gemv": self.norm_in_gemv,
                 "residual_in_gemm": self.residual_in_gemm, "lookahead": self.lookahead,
                 "cuda_gated_quant": self.cuda_gated_quant, "fp8_prefill_attention": self.fp8_prefill_attention,
+                **({"fp8_prefill_min_tokens": FP8_PREFILL_MIN_TOKENS} if self.fp8_prefill_attention else {}),
                 "weight_dtype": self.weight_dtype, "head_dtype": self.head_dtype, "kv_cache_dtype": self.kv_cache_dtype,
                 "gemv_tiles": {"x".join(map(str, k)): str(t) for k, t in self.gemv_tiles.items()},
                 "decode_attention": vars(self.decode_attention).copy()}

@@ -2,7 +2,7 @@
 
 from .units import finite, seconds
 
-__all__ = ["finite", "startup_text"]
+__all__ = ["finite", "fp8_prefill_attention_words", "startup_text"]
 
 
 def startup_text(a) -> str | None:
@@ -19,3 +19,13 @@ def startup_text(a) -> str | None:
     return (f"{seconds(s.total_s)} once, before this call and not in its timings, of which "
             f"{seconds(s.compile_and_capture_s)} compiling kernels and capturing {s.cuda_graphs} CUDA graphs, with "
             f"{tiles} (programmatic dependent launch {pdl}{streaming})")
+
+
+def fp8_prefill_attention_words(a) -> str | None:
+    """The engine's plan attends long fresh prompts in fp8 (engine/plan.py ExecutionPlan.fp8_prefill_attention), in
+    words for the precision line; None where it does not (or the anatomy has no start-up record)."""
+    s = getattr(a, "startup", None)
+    if s is None or not s.plan.get("fp8_prefill_attention"):
+        return None
+    return (f"prompts of {s.plan['fp8_prefill_min_tokens']} tokens or more attended in fp8 (cuDNN) when alone in a "
+            f"prefill step")
