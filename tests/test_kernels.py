@@ -55,17 +55,24 @@ def test_silu_mul(dtype):
     assert rel(silu_mul(gu), silu_mul_reference(gu)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("tokens", [5, 2100])  # a decode batch (a program per token), a prefill (blocks of 32)
-def test_qk_norm_rope_store(norm, tokens):
+def _rotary(heads: int, kv_heads: int, d: int):
+    """The RoPE tables of a one-layer Qwen3 with these heads (positions up to 4096)."""
     from llm_anatomy.models.config import ModelConfig
-    from llm_anatomy.models.qwen3 import RMSNorm, RotaryEmbedding
+    from llm_anatomy.models.qwen3 import RotaryEmbedding
 
-    heads, kv_heads, d, eps = 4, 2, 32, 1e-6
     config = ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
                                   "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
                                   "head_dim": d, "max_position_embeddings": 4096, "rope_theta": 10000.0})
-    rotary = RotaryEmbedding(config).to(DEVICE)
+    return RotaryEmbedding(config).to(DEVICE)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("tokens", [5, 2100])  # a decode batch (a program per token), a prefill (blocks of 32)
+def test_qk_norm_rope_store(norm, tokens):
+    from llm_anatomy.models.qwen3 import RMSNorm
+
+    heads, kv_heads, d, eps = 4, 2, 32, 1e-6
+    rotary = _rotary(heads, kv_heads, d)
     qkv = rand(tokens, (heads + 2 * kv_heads) * d)
     qn, kn = RMSNorm(d, eps).to(DEVICE), RMSNorm(d, eps).to(DEVICE)
     with torch.no_grad():
@@ -107,14 +114,10 @@ def test_qk_norm_rope_store_fp8_rows(tokens):
     outputs saturated to e4m3), zero rows up to the attention's length, the largest |V| stored; the cache's
     stores as without."""
     from llm_anatomy.models.attention import as_cached
-    from llm_anatomy.models.config import ModelConfig
-    from llm_anatomy.models.qwen3 import RMSNorm, RotaryEmbedding
+    from llm_anatomy.models.qwen3 import RMSNorm
 
     heads, kv_heads, d, eps = 4, 2, 32, 1e-6
-    config = ModelConfig.from_hf({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
-                                  "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-                                  "head_dim": d, "max_position_embeddings": 4096, "rope_theta": 10000.0})
-    rotary = RotaryEmbedding(config).to(DEVICE)
+    rotary = _rotary(heads, kv_heads, d)
     qkv = rand(tokens, (heads + 2 * kv_heads) * d)
     qkv[1, -3] = 1000.0  # a value past e4m3's largest: it saturates at 448
     qn = RMSNorm(d, eps).to(DEVICE)
