@@ -387,10 +387,9 @@ def add_serve(sub) -> None:
 
 def _serve_preflight(args, model: str) -> str:
     """What the config alone can refuse, before any weights load. Returns the model's name."""
+    from .engine.config import EngineConfig
     from .hub import resolve
     from .models.config import ModelConfig, parse_dtype
-
-    from .engine.config import EngineConfig
 
     check_precision(args)
     if args.dtype is not None:

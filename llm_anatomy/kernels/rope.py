@@ -83,7 +83,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_o
         v_src = qkv_ptr + t.to(tl.int64)[:, None] * stride_qkv + (n_heads + n_kv_heads) * HEAD_DIM + kv_h * HEAD_DIM
         v = tl.load(v_src + full, mask=tmask[:, None], other=0.0)
         tl.store(v_cache_ptr + dst + full, _cache_value(v, v_cache_ptr), mask=smask)
-        if KV_OUT:  # every row, padded ones too: [tokens, KVH, D]
+        if KV_OUT:  # every row, padded ones too: [rows, KVH, D]
             row = t.to(tl.int64)[:, None] * (n_kv_heads * HEAD_DIM) + kv_h * HEAD_DIM
             tl.store(k_out_ptr + row + d[None, :], _cache_value(o1, k_out_ptr), mask=omask[:, None])
             tl.store(k_out_ptr + row + half + d[None, :], _cache_value(o2, k_out_ptr), mask=omask[:, None])
@@ -112,6 +112,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_di
     # kv_out: this step's K and V in the model's dtype (an fp8 cache stores them rounded; the prefill reads these)
     k = torch.empty(rows, n_kv_heads, head_dim, dtype=out_dtype, device=qkv.device) if kv_out else q
     v = torch.empty_like(k) if kv_out else q
+    # max|V|, taken by atomic max from zero (without fp8_rows the kernel never touches it: any tensor will do)
     v_amax = torch.zeros(1, dtype=torch.float32, device=qkv.device) if fp8_rows is not None else cos
     has_norm = q_norm is not None
     block_t = min(MAX_BLOCK_T, triton.next_power_of_2(max(1, tokens // 64)))  # decode batches: blocks of 1
