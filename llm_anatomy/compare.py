@@ -39,12 +39,19 @@ PROMPTS = (
     ("story", "Begin a short story about a lighthouse keeper who finds a message in a bottle."),
 )
 MAX_TOKENS_LIMIT = 4096
+# --context-tokens: a document read before each request, so that long contexts' drift is measured too (an fp8 KV
+# cache's, and with fp8 weights the fp8 attention of prompts past the prefill graphs, docs/quantization.md). Written
+# for llm-anatomy (no outside source), repeated to the length asked for.
+CONTEXT_PARAGRAPH = ("The lighthouse stood on a rock a mile out from the harbour. Every evening the keeper climbed its "
+                     "ninety-one steps, trimmed the wick, wound the clockwork that turned the lens, and wrote in the "
+                     "log the wind's direction and strength, the state of the sea and the ships that passed. ")
+MAX_CONTEXT_TOKENS = 131072
 
 
 @dataclass(frozen=True)
 class PromptDrift:
     name: str
-    prompt_tokens: int
+    prompt_tokens: int  # the request's tokens, the document before it (--context-tokens) included
     greedy_agreement: int  # tokens of the quantized engine's greedy continuation before the first difference
     kl: tuple[float, ...]  # per position: KL(baseline || quantized), nats
     top1: tuple[bool, ...]  # per position: the two most likely tokens agree
@@ -90,6 +97,7 @@ class Comparison:
     synthetic: bool
     device: str
     max_tokens: int
+    context_tokens: int  # --context-tokens: at least this many tokens of a document before each request (0: none)
     baseline: EngineFigures
     quantized: EngineFigures
     prompts: tuple[PromptDrift, ...]
@@ -183,21 +191,36 @@ def engine_figures(engine, timings: tuple) -> EngineFigures:
                          engine.pool.bytes_per_token, *timings)
 
 
+def with_context(tokenizer, text: str, context_tokens: int) -> str:
+    """The request preceded by CONTEXT_PARAGRAPH repeated to at least context_tokens tokens (none for 0)."""
+    if not context_tokens:
+        return text
+    repeats = -(-context_tokens // len(tokenizer.encode(CONTEXT_PARAGRAPH)))
+    while len(tokenizer.encode(CONTEXT_PARAGRAPH * repeats)) < context_tokens:  # tokens at the joins may merge
+        repeats += 1
+    return f"{CONTEXT_PARAGRAPH * repeats}\n\n{text}"
+
+
 def run(model: str, *, quantization: str | None, kv_cache_dtype: str, max_tokens: int, weights: str = "auto",
         device=None, dtype=None, seed: int = 0, prompts=PROMPTS, quantize_lm_head: bool = False,
-        baseline_quantization: str | None = None) -> Comparison:
+        baseline_quantization: str | None = None, context_tokens: int = 0) -> Comparison:
     """Load both engines (each with a KV pool just large enough), measure, and return the comparison."""
     from .engine.engine import Engine, parse_device
     from .hub import resolve
+    from .models.config import ModelConfig
     from .prompt import render_prompt
     from .tokenizer import Tokenizer
 
     device = parse_device(device)
     source = resolve(model)
     tokenizer = Tokenizer.from_pretrained(source.directory or source.name)
-    rendered = [(name, render_prompt(tokenizer, messages=[{"role": "user", "content": text}]).token_ids)
-                for name, text in prompts]
+    rendered = [(name, render_prompt(tokenizer, messages=[{"role": "user", "content": with_context(
+        tokenizer, text, context_tokens)}]).token_ids) for name, text in prompts]
     longest = max(len(ids) for _, ids in rendered) + max_tokens
+    context = ModelConfig.from_hf(source.config).max_position_embeddings
+    if longest > context:
+        raise AnatomyError(f"the longest prompt with its continuation takes {longest} tokens, more than {model}'s "
+                           f"context ({context}); lower --context-tokens or --max-tokens")
     common = dict(device=device, dtype=dtype, weights=weights, seed=seed, kv_cache_tokens=longest,
                   max_model_len=longest, max_num_seqs=1)
     asked = {k: v for k, v in (("quantization", quantization), ("quantize_lm_head", quantize_lm_head),
@@ -210,7 +233,7 @@ def run(model: str, *, quantization: str | None, kv_cache_dtype: str, max_tokens
     drifts, timings = compare_engines(baseline, quantized, rendered, max_tokens,
                                       progress=lambda name: _say(f"prompt {name!r}"))
     return Comparison(source.name, baseline.weights.label, baseline.weights.kind == "synthetic", str(device),
-                      max_tokens, engine_figures(baseline, timings["baseline"]),
+                      max_tokens, context_tokens, engine_figures(baseline, timings["baseline"]),
                       engine_figures(quantized, timings["quantized"]), tuple(drifts))
 
 
@@ -229,7 +252,8 @@ def _ms(v: float | None) -> str:
 def render(c: Comparison) -> str:
     """The comparison as text: the two engines side by side, then the drift per prompt and over all of them."""
     b, q, s = c.baseline, c.quantized, c.summary
-    lines = [f"Model     {c.model} on {c.device}, greedy, {c.max_tokens} tokens a prompt",
+    context = f", each request after a document of {c.context_tokens}+ tokens" if c.context_tokens else ""
+    lines = [f"Model     {c.model} on {c.device}, greedy, {c.max_tokens} tokens a prompt{context}",
              f"Weights   {c.weights}" + ("; the drift figures below are not the real model's" if c.synthetic else ""),
              f"Baseline  {b.precision}", f"Quantized {q.precision}",
              f"{'':24}{'baseline':>18}{'quantized':>18}{'ratio':>9}"]
@@ -267,6 +291,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="fp8: the baseline's linear layers in fp8 too, so that --quantize-lm-head and/or "
                         "--kv-cache-dtype fp8 are measured alone (default: the checkpoint as it is)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens of each greedy continuation (default 64)")
+    p.add_argument("--context-tokens", type=int, default=0,
+                   help="a document of at least this many tokens before each request, so that long contexts' "
+                        "drift is measured (default 0: none)")
     p.add_argument("--weights", default="auto", help="auto (real if found locally, else synthetic), synthetic, or DIR")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if there is one)")
     p.add_argument("--dtype", help="the baseline's dtype: bfloat16, float16 or float32 (default: the model's)")
@@ -300,6 +327,8 @@ def check_args(args) -> None:
                                f"--kv-cache-dtype fp8")
     if not 1 <= args.max_tokens <= MAX_TOKENS_LIMIT:
         raise AnatomyError(f"--max-tokens must be in 1..{MAX_TOKENS_LIMIT}, got {args.max_tokens}")
+    if not 0 <= args.context_tokens <= MAX_CONTEXT_TOKENS:
+        raise AnatomyError(f"--context-tokens must be in 0..{MAX_CONTEXT_TOKENS}, got {args.context_tokens}")
     if args.json is not None and not args.json.parent.is_dir():
         raise AnatomyError(f"--json {args.json}: directory {args.json.parent} does not exist")
 
@@ -312,7 +341,8 @@ def cmd_compare(args) -> int:
     model = args.model_name or ("Qwen/Qwen3-8B" if device.type == "cuda" else "Qwen/Qwen3-0.6B")
     comparison = run(model, quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                      kv_cache_dtype=args.kv_cache_dtype, baseline_quantization=args.baseline_quantization,
-                     max_tokens=args.max_tokens, weights=args.weights, device=device, dtype=args.dtype, seed=args.seed)
+                     max_tokens=args.max_tokens, weights=args.weights, device=device, dtype=args.dtype, seed=args.seed,
+                     context_tokens=args.context_tokens)
     print(render(comparison))
     if args.json is not None:
         args.json.write_text(json.dumps(comparison.to_dict(), indent=1))

@@ -91,6 +91,8 @@ def parse(argv):
     (["--quantization", "fp8", "--max-tokens", "0"], "--max-tokens must be in 1..4096, got 0"),
     (["--quantization", "fp8", "--max-tokens", "5000"], "--max-tokens must be in 1..4096, got 5000"),
     (["--quantization", "fp8", "--json", "/no/such/dir/out.json"], "directory /no/such/dir does not exist"),
+    (["--quantization", "fp8", "--context-tokens", "-1"], "--context-tokens must be in 0..131072, got -1"),
+    (["--quantization", "fp8", "--context-tokens", "131073"], "--context-tokens must be in 0..131072"),
 ])
 def test_bad_flags_fail_before_any_weights_load(argv, message, monkeypatch):
     def refuse(*args, **kwargs):
@@ -138,3 +140,25 @@ def test_against_an_fp8_baseline_the_head_alone_is_measured(save_tiny, tmp_path,
     assert b["linear_weight_bytes"] - q["linear_weight_bytes"] == head * 4 - (head + 151936 * 4)  # float32 -> fp8
     assert 0 < records["head"]["summary"]["kl_mean"] < records["all"]["summary"]["kl_mean"]
     assert "with quantization=fp8" in capsys.readouterr().err
+
+
+def test_context_tokens_put_a_document_before_each_request(save_tiny, tmp_path, capsys):
+    """--context-tokens N: each request comes after a document of at least N tokens (its drift is measured over
+    the long context), said in the record and the text; a document the model's context cannot hold is refused
+    before any weights load."""
+    directory, _ = save_tiny(initializer_range=0.2, vocab_size=151936)  # max_position_embeddings 512
+    out = tmp_path / "compare.json"
+    assert cmd_compare(parse([str(directory), "--kv-cache-dtype", "fp8", "--max-tokens", "2", "--device", "cpu",
+                              "--dtype", "float32", "--context-tokens", "300", "--json", str(out)])) == 0
+    record = json.loads(out.read_text())
+    assert record["context_tokens"] == 300 and all(300 < p["prompt_tokens"] < 420 for p in record["prompts"])
+    assert "each request after a document of 300+ tokens" in capsys.readouterr().out
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an engine was loaded")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Engine, "from_pretrained", refuse)
+        with pytest.raises(AnatomyError, match="more than .* context \\(512\\); lower --context-tokens"):
+            cmd_compare(parse([str(directory), "--kv-cache-dtype", "fp8", "--device", "cpu", "--context-tokens",
+                               "600"]))
