@@ -400,3 +400,7 @@ def test_an_fp8_points_bytes_are_the_fp8_engines(tiny, tmp_path):
     assert linear["fp8"] < linear["bf16"] / 3  # float32 weights here: a quarter, and the scales
     saved = by["bf16"]["decode_bytes_per_step"] - by["fp8"]["decode_bytes_per_step"]
     assert saved == pytest.approx(linear["bf16"] - linear["fp8"], rel=1e-9)
+    # the fp8 prefill attention is the plan of fp8 weights with the fp8 KV cache only, as engine/plan.py has it
+    assert precision_shapes(Precision("fp8", "fp8")).fp8_prefill_attention
+    assert not (precision_shapes(Precision("fp8")).fp8_prefill_attention
+                or precision_shapes(Precision(None, "fp8")).fp8_prefill_attention)

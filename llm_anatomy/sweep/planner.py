@@ -129,11 +129,12 @@ def default_efficiencies(ceilings=None, ceiling_fractions: dict | None = None) -
 def precision_shapes(precision: Precision) -> KernelShapes:
     """The cost model's kernel shapes at `precision`: fp8 weights read a byte per linear-layer parameter and a
     float32 scale per output row (norms, embedding and lm_head stay in the model dtype), their products W8A8 as on
-    the H200, an fp8 KV cache a byte per element: what an engine of that precision's plan gives the cost model
+    the H200, an fp8 KV cache a byte per element, and with both the prefill attention of long prompts in fp8 (as on
+    the H200 with cuDNN's fp8 SDPA): what an engine of that precision's plan gives the cost model
     (probe.cost.device_shapes)."""
-    fp8 = precision.quantization == "fp8"
+    fp8, fp8_kv = precision.quantization == "fp8", precision.kv_cache_dtype != "auto"
     return replace(DEFAULT_SHAPES, weight_size=1 if fp8 else 0, weight_row_scale_bytes=4 if fp8 else 0, w8a8=fp8,
-                   kv_size=1 if precision.kv_cache_dtype != "auto" else 0)
+                   kv_size=1 if fp8_kv else 0, fp8_prefill_attention=fp8 and fp8_kv)
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype, precision: Precision) -> int:
