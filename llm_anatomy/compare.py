@@ -191,14 +191,14 @@ def engine_figures(engine, timings: tuple) -> EngineFigures:
                          engine.pool.bytes_per_token, *timings)
 
 
-def with_context(tokenizer, text: str, context_tokens: int) -> str:
-    """The request preceded by CONTEXT_PARAGRAPH repeated to at least context_tokens tokens (none for 0)."""
+def context_document(tokenizer, context_tokens: int) -> str:
+    """CONTEXT_PARAGRAPH repeated to at least context_tokens tokens, and a blank line; "" for 0."""
     if not context_tokens:
-        return text
+        return ""
     repeats = -(-context_tokens // len(tokenizer.encode(CONTEXT_PARAGRAPH)))
     while len(tokenizer.encode(CONTEXT_PARAGRAPH * repeats)) < context_tokens:  # tokens at the joins may merge
         repeats += 1
-    return f"{CONTEXT_PARAGRAPH * repeats}\n\n{text}"
+    return CONTEXT_PARAGRAPH * repeats + "\n\n"
 
 
 def run(model: str, *, quantization: str | None, kv_cache_dtype: str, max_tokens: int, weights: str = "auto",
@@ -214,8 +214,9 @@ def run(model: str, *, quantization: str | None, kv_cache_dtype: str, max_tokens
     device = parse_device(device)
     source = resolve(model)
     tokenizer = Tokenizer.from_pretrained(source.directory or source.name)
-    rendered = [(name, render_prompt(tokenizer, messages=[{"role": "user", "content": with_context(
-        tokenizer, text, context_tokens)}]).token_ids) for name, text in prompts]
+    document = context_document(tokenizer, context_tokens)
+    rendered = [(name, render_prompt(tokenizer, messages=[{"role": "user", "content": document + text}]).token_ids)
+                for name, text in prompts]
     longest = max(len(ids) for _, ids in rendered) + max_tokens
     context = ModelConfig.from_hf(source.config).max_position_embeddings
     if longest > context:
