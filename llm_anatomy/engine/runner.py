@@ -153,8 +153,6 @@ class ModelRunner:
     def build_attention_plans(self, max_tokens: int) -> None:
         """Attention once at each eager bucket length above the graphs' up to max_tokens, so that cuDNN builds
         its plans now rather than in the first prompt of that length (and its fp8 graphs, where the plan has them)."""
-        if self.plan.fp8_prefill_attention:
-            from ..kernels import fp8_prefill_attention
         cfg, dev = self.model.config, self.device
         dtype = self.model.model.embed_tokens.weight.dtype  # the attention's, whatever the KV cache stores
         t = prefill_bucket(GRAPH_PREFILL_TOKENS[-1] + 1)
@@ -165,5 +163,7 @@ class ModelRunner:
                                                 torch.full((t,), -1, dtype=torch.int64, device=dev))
             prefill_attention(q, k, torch.zeros_like(k), self.pool.k[0], self.pool.v[0], batch)
             if self.plan.fp8_prefill_attention and t >= FP8_PREFILL_MIN_TOKENS:
-                fp8_prefill_attention.prepare(dev, t, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+                from ..kernels.fp8_prefill_attention import prepare
+
+                prepare(dev, t, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
             t = prefill_bucket(t + 1)
