@@ -115,7 +115,9 @@ def test_fp8_prefill_attention_is_a_gpu_plan_taken_by_a_long_fresh_prompt_alone(
         # the queries read in fp8, o_proj's input written quantized by the attention (no quantization kernel)
         saved = c.num_hidden_layers * tokens * c.q_size * (1 if taken else 0)
         assert before["attention"]["bytes"] - after["attention"]["bytes"] == saved
-        assert before["quantize"]["bytes"] - after["quantize"]["bytes"] == 2 * saved
+        # (the last layer's o_proj takes the sampled row alone, which is never quantized by a kernel)
+        assert before["quantize"]["bytes"] - after["quantize"]["bytes"] == 2 * saved * (c.num_hidden_layers - 1) \
+            // c.num_hidden_layers
         assert before["attention"]["flops"] == after["attention"]["flops"]
     cache = torch.zeros(1, 2, 16, 1, 8)
 

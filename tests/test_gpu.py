@@ -109,3 +109,37 @@ def test_two_engines_with_different_plans_run_side_by_side(engine):
                     e.step()
         for name, seq in seqs.items():
             assert (seq.output_token_ids, [lp for lp, _ in seq.logprobs]) == alone[(name, i)], (name, i)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_the_last_layer_over_the_sampled_rows_gives_the_whole_forwards_rows(engine, quantization):
+    """On the fast path, the last layer past its K/V store over the sampled rows alone (the products of one row
+    take the streaming GEMV, those of many cuBLAS) gives the whole forward's rows, and the same K and V."""
+    from llm_anatomy import Engine
+    from llm_anatomy.models.attention import AttentionBatch
+
+    if quantization:
+        engine = Engine.from_pretrained("Qwen/Qwen3-0.6B", device="cuda", weights="synthetic", max_model_len=4096,
+                                        kv_cache_tokens=4096, max_num_seqs=2, quantization="fp8", cuda_graphs=False)
+    pool, n = engine.pool, 700
+    ids = torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(5)).cuda()
+    blocks = list(range(pool.blocks_for(n)))
+    slots = torch.tensor([blocks[p // pool.block_size] * pool.block_size + p % pool.block_size for p in range(n)],
+                         device="cuda")
+    batch = AttentionBatch(pool.k, pool.v, slots, True, torch.tensor([blocks], dtype=torch.int32, device="cuda"),
+                           torch.tensor([n], dtype=torch.int32, device="cuda"), (n,), (0,))
+    plan = engine.plan.eager()
+    pool.k.zero_()  # the blocks past this prompt's too: earlier tests' requests left theirs
+    pool.v.zero_()
+    with torch.inference_mode():
+        whole = engine.model.compute_logits(engine.model(ids, torch.arange(n, device="cuda"), batch, plan), plan)
+        cached = pool.k.clone(), pool.v.clone()
+        for keep in ([n - 1], [n - 1, 3, 200]):
+            pool.k.zero_()
+            pool.v.zero_()
+            rows = torch.tensor(keep, device="cuda")
+            kept = engine.model.compute_logits(engine.model(ids, torch.arange(n, device="cuda"), batch, plan, rows),
+                                               plan)
+            expected = whole[rows].float()
+            assert ((kept.float() - expected).norm() / expected.norm()).item() < 2e-2, keep
+            assert torch.equal(pool.k, cached[0]) and torch.equal(pool.v, cached[1])

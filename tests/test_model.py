@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llm_anatomy import Engine
+from llm_anatomy.models import attention
 from llm_anatomy.models.attention import AttentionBatch
 
 CASES = {
@@ -21,8 +22,8 @@ def load(directory, **kwargs):
     return Engine.from_pretrained(directory, device="cpu", dtype=torch.float32, weights="auto", **kwargs)
 
 
-def all_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits at every position for one fresh sequence (prefill through the paged cache)."""
+def all_logits(engine: Engine, ids: list[int], keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits at every position (or at the rows `keep`) for one fresh sequence (prefill through the paged cache)."""
     pool = engine.pool
     n = len(ids)
     blocks = list(range(pool.blocks_for(n)))
@@ -30,7 +31,7 @@ def all_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     batch = AttentionBatch(pool.k, pool.v, slots, True, torch.tensor([blocks], dtype=torch.int32),
                            torch.tensor([n], dtype=torch.int32), (n,), (0,))
     with torch.inference_mode():
-        hidden = engine.model(torch.tensor(ids), torch.arange(n), batch)
+        hidden = engine.model(torch.tensor(ids), torch.arange(n), batch, keep=keep)
         return engine.model.compute_logits(hidden)
 
 
@@ -48,6 +49,32 @@ def test_logits_match_hf(case, save_tiny):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert rel_err(all_logits(engine, ids), ref) < 1e-4
+
+
+@pytest.mark.parametrize("case,last_row", [("qwen3-gqa2", False), ("qwen2-bias", False), ("qwen3-gqa2", True)])
+def test_kept_rows_are_the_whole_forwards_rows(case, last_row, save_tiny, monkeypatch):
+    """The last layer past its K/V store over the rows `keep` alone (a step's sampled rows) gives those rows of the
+    whole forward, in keep's order, and stores every row's K and V as the whole forward does; an empty keep (a
+    prompt's chunk) stores them and gives no rows. last_row: the prompt counts as long (the threshold lowered to
+    its length), so that keeping its last row alone attends that row alone."""
+    if last_row:
+        monkeypatch.setattr(attention, "FP8_PREFILL_MIN_TOKENS", 23)
+    overrides = dict(CASES[case])
+    directory, _ = save_tiny(overrides.pop("model_type", "qwen3"), **overrides)
+    engine = load(directory)
+    pool = engine.pool
+    ids = torch.randint(0, 512, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+    whole = all_logits(engine, ids)
+    cached = pool.k.clone(), pool.v.clone()
+    for keep in (torch.tensor([22, 5, 0]), torch.tensor([22]), torch.tensor([], dtype=torch.int64)):
+        pool.k.zero_()
+        pool.v.zero_()
+        kept = all_logits(engine, ids, keep)
+        assert attention.attends_last_row_alone(AttentionBatch(pool.k, pool.v, pool.k, True, pool.k, pool.k, (23,),
+                                                               (0,)), keep) == (last_row and len(keep) == 1)
+        assert kept.shape == (len(keep), 512)
+        torch.testing.assert_close(kept, whole[keep], rtol=1e-5, atol=1e-5)
+        assert torch.equal(pool.k, cached[0]) and torch.equal(pool.v, cached[1])
 
 
 def test_yarn_long_positions_match_hf(save_tiny):

@@ -341,8 +341,9 @@ class Engine:
         batch = AttentionBatch.fresh_prompt(pool.k, pool.v, torch.arange(tokens, device=self.device))
         ids = torch.randint(0, self.config.vocab_size, (tokens,), device=self.device)
         plan = self.plan.eager()
-        hidden = self.model(ids, torch.arange(tokens, device=self.device), batch, plan)
-        self.model.compute_logits(hidden[-1:], plan)
+        last = torch.full((1,), tokens - 1, device=self.device)
+        hidden = self.model(ids, torch.arange(tokens, device=self.device), batch, plan, keep=last)
+        self.model.compute_logits(hidden, plan)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del pool, batch, hidden

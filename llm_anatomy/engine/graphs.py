@@ -244,8 +244,8 @@ class GraphRunner:
             batch = AttentionBatch.fresh_prompt(self.pool.k, self.pool.v, self.prefill_slots[:t])
 
             def forward(t=t, batch=batch):
-                hidden = self.model(self.prefill_ids[:t], self.prefill_pos[:t], batch, plan)
-                return self.model.compute_logits(hidden[self.prefill_last], plan)
+                hidden = self.model(self.prefill_ids[:t], self.prefill_pos[:t], batch, plan, keep=self.prefill_last)
+                return self.model.compute_logits(hidden, plan)
 
             self.prefill_graphs[t] = self._capture(forward)
 
@@ -270,8 +270,8 @@ class GraphRunner:
                             varlen=(self.batch_bounds[:p + 2], t))
 
             def forward(t=t, p=p, batch=batch):
-                hidden = self.model(self.prefill_ids[:t], self.prefill_pos[:t], batch, plan)
-                return self.batch_logits[:p].copy_(self.model.compute_logits(hidden[self.batch_last[:p]], plan))
+                hidden = self.model(self.prefill_ids[:t], self.prefill_pos[:t], batch, plan, keep=self.batch_last[:p])
+                return self.batch_logits[:p].copy_(self.model.compute_logits(hidden, plan))
 
             self.batch_prefill_graphs[t] = self._capture(forward)[0]
 

@@ -146,8 +146,9 @@ class ModelRunner:
         if ahead is not None:
             input_ids = ahead.tokens
         plan = self.step_plan
-        hidden = self.model(input_ids, positions, attn, plan)
-        return self.model.compute_logits(hidden[last], plan)
+        if batch.is_prefill:  # the last layer past its K/V store for the sampled rows alone (Qwen3ForCausalLM)
+            return self.model.compute_logits(self.model(input_ids, positions, attn, plan, keep=last), plan)
+        return self.model.compute_logits(self.model(input_ids, positions, attn, plan)[last], plan)
 
     @torch.inference_mode()
     def build_attention_plans(self, max_tokens: int) -> None:

@@ -175,6 +175,25 @@ def fp8_prefill_rows(batch: AttentionBatch) -> int | None:
     return prefill_bucket(batch.query_lens[0])
 
 
+def attends_last_row_alone(batch: AttentionBatch, keep: torch.Tensor | None) -> bool:
+    """Whether a layer that keeps the rows `keep` (the last: models/qwen3.py) attends with the last row's query
+    alone, over all of the step's keys: a fresh prompt of FP8_PREFILL_MIN_TOKENS or more alone, which is never in
+    a CUDA graph (no padding rows), keeping one row, its last (the only row such a step samples). Its causal
+    attention would cost the layer what a whole prompt's does, quadratic in its length, for rows nothing reads."""
+    return (keep is not None and len(keep) == 1 and batch.is_prefill and batch.varlen is None
+            and not batch.num_decodes and len(batch.query_lens) == 1 and not batch.prefix_lens[0]
+            and batch.query_lens[0] >= FP8_PREFILL_MIN_TOKENS)
+
+
+def last_row_attention(q, k, v) -> torch.Tensor:
+    """The last row of q's attention over all rows of k and v (its causal row): [1, heads, head_dim]."""
+    qi, ki, vi = (x.transpose(0, 1).unsqueeze(0) for x in (q[-1:], k, v))
+    if q.is_cuda:
+        with sdpa_kernel(GPU_PREFILL_BACKENDS, set_priority=True):
+            return F.scaled_dot_product_attention(qi, ki, vi, enable_gqa=True)[0].transpose(0, 1)
+    return F.scaled_dot_product_attention(qi, ki, vi, enable_gqa=True)[0].transpose(0, 1)
+
+
 def prefill_attention(q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
     if q.is_cuda:
         with sdpa_kernel(GPU_PREFILL_BACKENDS, set_priority=True):

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.plan import REFERENCE_PLAN, ExecutionPlan
-from .attention import AttentionBatch, attend, fp8_prefill_rows, prefill_step_attention
+from .attention import (AttentionBatch, attend, attends_last_row_alone, fp8_prefill_rows, last_row_attention,
+                        prefill_step_attention, store_kv)
 from .config import ModelConfig
 
 try:  # the fast path's kernels; without Triton the model runs the PyTorch path only
@@ -65,6 +66,15 @@ class PendingNorm:
         self.new_residual.copy_(self.residual)
         return norm.rmsnorm(self.x, self.layernorm.weight, self.layernorm.eps, residual=self.new_residual,
                             pdl=plan.pdl, launch_first=True)
+
+
+def kept_rows(x, keep: torch.Tensor | None):
+    """The rows `keep` of x (a tensor, or quant.Fp8Rows with their scales); x itself for None."""
+    if keep is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.index_select(0, keep)
+    return type(x)(x.values.index_select(0, keep), x.scale.index_select(0, keep), x.dtype)
 
 
 def is_fp8(layer: nn.Module) -> bool:
@@ -213,16 +223,28 @@ class Attention(nn.Module):
         self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, batch: AttentionBatch,
-                plan: ExecutionPlan, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+                plan: ExecutionPlan, residual: torch.Tensor | None = None, keep: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
         """The attention's output; None where it was added into `residual` (see residual_linear). x may be a
-        PendingNorm or, for a W8A8 product, quant.Fp8Rows (see linear)."""
+        PendingNorm or, for a W8A8 product, quant.Fp8Rows (see linear). With `keep`, the output of those rows
+        alone (`residual` holds them alone too): every row's K and V are stored, o_proj runs on these rows; an
+        empty keep stores K and V and attends nothing (returns None); a long fresh prompt alone attends the one
+        row it keeps alone (attention.attends_last_row_alone)."""
         tokens = positions.shape[0]
+        width = self.num_heads * self.head_dim
+        attends = keep is None or len(keep) > 0
+        last_row = attends_last_row_alone(batch, keep)
         qkv = linear(x, self.qkv_proj, plan)
         if plan.kernels:
-            out = self._fast_attention(qkv, positions, rotary, batch, plan)
+            out = self._fast_attention(qkv, positions, rotary, batch, plan, attends, last_row)
+            if out is None:
+                return None
+            if last_row:  # the one row kept, attended alone
+                return residual_linear(out.reshape(1, width), self.o_proj, plan, residual)
             if not isinstance(out, torch.Tensor):  # fp8 attention's rows (quant.Fp8Rows), as a W8A8 o_proj takes them
+                out = kept_rows(out, keep)
                 return residual_linear(out if is_fp8(self.o_proj) else out.dequantized(), self.o_proj, plan, residual)
-            return residual_linear(out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj, plan, residual)
+            return residual_linear(kept_rows(out.reshape(tokens, width), keep), self.o_proj, plan, residual)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -230,20 +252,29 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, positions), rotary(k, positions)
+        if not attends or last_row:
+            store_kv(k, v, batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx], batch.slot_mapping)
+            return self.o_proj(last_row_attention(q, k, v).reshape(1, width)) if attends else None
         out = attend(q, k, v, self.layer_idx, batch)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return self.o_proj(kept_rows(out.reshape(tokens, width), keep))
 
-    def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch, plan: ExecutionPlan):
+    def _fast_attention(self, qkv, positions, rotary, batch: AttentionBatch, plan: ExecutionPlan,
+                        attends: bool = True, last_row: bool = False):
         """QK-norm + RoPE + cache store in one kernel, then cuDNN/flash prefill or the paged decode kernel; a
-        prompt the plan attends in fp8 gets its output as quant.Fp8Rows."""
+        prompt the plan attends in fp8 gets its output as quant.Fp8Rows. Without `attends`, the store alone (None);
+        with `last_row` (attention.attends_last_row_alone), the last row's output alone, [1, heads, head_dim]."""
         k_cache, v_cache = batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx]
-        fp8_rows = fp8_prefill_rows(batch) if plan.fp8_prefill_attention else None
+        fp8_rows = fp8_prefill_rows(batch) if plan.fp8_prefill_attention and attends and not last_row else None
         out = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                  self.q_norm.weight if self.qk_norm else None,
                                  self.k_norm.weight if self.qk_norm else None,
                                  self.q_norm.eps if self.qk_norm else 0.0, rotary.cos, rotary.sin, positions,
-                                 batch.slot_mapping, k_cache, v_cache, kv_out=batch.is_prefill, pdl=plan.pdl,
-                                 fp8_rows=fp8_rows)
+                                 batch.slot_mapping, k_cache, v_cache, kv_out=batch.is_prefill and attends,
+                                 pdl=plan.pdl, fp8_rows=fp8_rows)
+        if not attends:
+            return None
+        if last_row:
+            return last_row_attention(*out)
         if fp8_rows is not None:
             from ..kernels import fp8_prefill_attention
             from .quant import Fp8Rows  # quant imports this module
@@ -320,15 +351,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, positions, rotary, batch, plan: ExecutionPlan):
+    def forward(self, x, residual, positions, rotary, batch, plan: ExecutionPlan, keep: torch.Tensor | None = None):
+        """(the layer's output, the residual stream); with `keep` (the last layer: see Qwen3ForCausalLM.forward),
+        those of the rows `keep` alone, and (None, no rows) for an empty keep."""
         rows = x if residual is None else residual  # the norms' input rows (x may be None: see residual_linear)
         qkv_fp8 = takes_fp8_rows(rows, self.self_attn.qkv_proj, plan)
-        gate_up_fp8 = takes_fp8_rows(rows, self.mlp.gate_up_proj, plan, gated=True)
         if residual is None:
             residual, x = x, self.input_layernorm(x, plan, fp8=qkv_fp8)
         else:
-            x, residual = self.input_layernorm.add_forward(x, residual, plan, defer=True, fp8=qkv_fp8)
-        x = self.self_attn(x, positions, rotary, batch, plan, residual)
+            x, residual = self.input_layernorm.add_forward(x, residual, plan, defer=keep is None, fp8=qkv_fp8)
+        if keep is not None:  # only these rows go on past the attention
+            residual = residual.index_select(0, keep)
+        x = self.self_attn(x, positions, rotary, batch, plan, residual, keep)
+        if not len(residual):
+            return None, residual
+        gate_up_fp8 = takes_fp8_rows(residual, self.mlp.gate_up_proj, plan, gated=True)
         x, residual = self.post_attention_layernorm.add_forward(x, residual, plan, defer=True, fp8=gate_up_fp8)
         return self.mlp(x, plan, residual), residual
 
@@ -352,13 +389,19 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                plan: ExecutionPlan = REFERENCE_PLAN) -> torch.Tensor:
+                plan: ExecutionPlan = REFERENCE_PLAN, keep: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [tokens] (all sequences of the batch, concatenated) -> final hidden states,
-        computed the way `plan` says (the PyTorch reference path by default)."""
+        computed the way `plan` says (the PyTorch reference path by default). With `keep` (row indices: a step's
+        sampled rows), those rows' alone, in keep's order: the last layer stores every row's K and V, but runs its
+        o_proj, MLP and norms, and the final norm, on these rows only, the rest of them being needed by nothing
+        (an empty keep, a prompt's chunk: nothing past the store). Same values as the rows of the whole forward."""
         x = self.model.embed_tokens(input_ids)
         residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, self.rotary, batch, plan)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, positions, self.rotary, batch, plan, keep if i == last else None)
+        if not len(residual):
+            return residual
         x, _ = self.model.norm.add_forward(x, residual, plan)
         return x
 

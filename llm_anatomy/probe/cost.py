@@ -5,7 +5,9 @@ One place, used by every command; docs/anatomy.md states these conventions for t
 FLOPs: 2 per multiply-add of the matrix products (linear layers, lm_head, attention's QK^T and PV); the
 elementwise work (norms, RoPE, SiLU, softmax) is left out, as FLOP counters and MFU figures do. Causal attention
 counts only the unmasked half: query i of a prefill attends to prefix + i keys. The lm_head runs on one token per
-sequence (the last of its prompt in a prefill): logits of the other prompt tokens are never computed.
+sequence (the last of its prompt in a prefill): logits of the other prompt tokens are never computed, nor is
+their last layer past its qkv product and K/V store (o_proj, the MLP, the norms), which nothing reads; a prompt's
+chunk that samples nothing does not attend in its last layer either.
 
 Bytes: a model of the device-memory (DRAM) traffic of the CUDA fast path's kernels, kernel by kernel, as Nsight
 Compute counts it (each kernel starting from a cold L2 cache, its default): every kernel reads its inputs from
@@ -80,7 +82,8 @@ class KernelShapes:
     sms: int = 132
     # cuBLAS's prefill GEMMs: 128 x 256 tiles along N. Along N, each wave re-reads the weight; Nsight Compute
     # counted 19.6 GB in cuBLAS's kernels of a 2048-token Qwen3-8B prefill (H200), against 18.9 modelled this way
-    # and 14.3 along M (docs/anatomy.md).
+    # and 14.3 along M (docs/anatomy.md). cuBLAS picks its kernel by shape: at 2041 tokens it walked along M
+    # (14.4 GB read against 19.1 modelled, 2026-12-04), which this model does not follow.
     cublas: GemmTiling = GemmTiling(128, 256, "rows")
     # kernels/matmul.py: prefill's gate_up with SiLU * up in its epilogue (GATED_TILE, BN per half, grouped by 16
     # rows of tiles), from GATED_MIN_ROWS rows; fewer rows take cuBLAS and the SiLU * up kernel.
@@ -179,13 +182,13 @@ def _tile_coords(t: int, tm: int, tn: int, tiling: GemmTiling) -> tuple[int, int
 
 
 def _linear_bytes(rows: int, n: int, k: int, size: int, shapes: KernelShapes, gated: bool = False,
-                  residual: bool = False) -> tuple[float, float]:
+                  residual: bool = False, fp8_input: bool = False) -> tuple[float, float]:
     """(weight bytes, input bytes) of one linear layer over `rows` tokens: a GEMV reads each once; a GEMM (more
     rows) per wave of tiles, and the bf16 products that feed the residual stream also read it (added in the
     epilogue). Weights at the plan's size (shapes.weight_size), their per-row scales once; W8A8 inputs as fp8 rows
-    with their scales (shapes.w8a8)."""
+    with their scales (shapes.w8a8; fp8_input: rows that come quantized, even one)."""
     wsize, scales = shapes.weight_size or size, n * shapes.weight_row_scale_bytes
-    w8a8 = shapes.w8a8 and size == 2 and rows > 1
+    w8a8 = (shapes.w8a8 and size == 2 and rows > 1) or fp8_input
     in_size, row_scales = (1, rows * 4) if w8a8 else (size, 0)
     if rows <= shapes.gemv_max_rows:
         return n * k * wsize + scales, rows * k * in_size + row_scales
@@ -197,63 +200,87 @@ def _linear_bytes(rows: int, n: int, k: int, size: int, shapes: KernelShapes, ga
     return w * wsize + scales, a * in_size + row_scales + stream
 
 
-def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, shapes: KernelShapes, fp8_attention: bool = False
-            ) -> dict[str, float]:
-    """Bytes of all decoder layers' kernels for a step of `tokens` tokens, by part (attention's K/V apart);
-    fp8_attention: a prefill attended in fp8 (KernelShapes.fp8_prefill_attention)."""
+def _layer(c: ModelConfig, dtype: torch.dtype, tokens: int, kept: int, shapes: KernelShapes,
+           fp8_attention: bool = False, queries: int | None = None) -> dict[str, float]:
+    """Bytes of one decoder layer's kernels for a step of `tokens` tokens, by part (attention's K/V apart), its
+    o_proj, MLP and second norm over `kept` of them (the last layer of a prefill keeps the sampled rows alone, none
+    for a prompt's chunk, which then attends nothing: models/qwen3.py), its attention over `queries` of them (all
+    by default); fp8_attention: a prefill attended in fp8 (KernelShapes.fp8_prefill_attention)."""
     s, h, inter = dtype.itemsize, c.hidden_size, c.intermediate_size
     qkv = c.q_size + 2 * c.kv_size
-    weights = inputs = 0.0
-    for n, k, gated, residual in ((qkv, h, False, False), (h, c.q_size, False, True),
-                                  (2 * inter, h, True, False), (h, inter, False, True)):
-        w, x = _linear_bytes(tokens, n, k, s, shapes, gated, residual)
-        weights, inputs = weights + w, inputs + x
+    weights, inputs = _linear_bytes(tokens, qkv, h, s, shapes)
+    if kept:  # o_proj takes the fp8 attention's rows as they are, quantized, however few
+        for n, k, gated, residual, fp8_in in ((h, c.q_size, False, True, fp8_attention and shapes.w8a8),
+                                              (2 * inter, h, True, False, False), (h, inter, False, True, False)):
+            w, x = _linear_bytes(kept, n, k, s, shapes, gated, residual, fp8_in)
+            weights, inputs = weights + w, inputs + x
     # SiLU * up is a kernel of its own only for bf16 prefills of 17-1023 rows: the fp8 products take it in theirs
     # (the batch-1 streaming GEMV, the W8A16 kernels) or hand it to the quantization of down_proj's input (W8A8)
-    fused_gate = tokens <= shapes.gemv_max_rows or tokens >= shapes.gated_min_rows or shapes.weight_size
-    # A GEMV has no epilogue: its product reaches the residual stream through the norm after it, which then reads
-    # the product and the stream; after a GEMM that added it there (bf16 weights), the norm reads the stream alone.
-    norm_inputs = 2 if tokens <= shapes.gemv_max_rows or shapes.weight_size else 1
+    fused_gate = kept <= shapes.gemv_max_rows or kept >= shapes.gated_min_rows or shapes.weight_size
     # W8A8's own quantization kernels (shapes.w8a8): o_proj's input, and down_proj's from the gate_up product (a
     # GEMV's SiLU * up, a GEMM's [gate, up])
     quantize = 0.0
-    if shapes.w8a8 and dtype == torch.bfloat16 and tokens > 1:
+    if shapes.w8a8 and dtype == torch.bfloat16 and kept > 1:
         o_input = 0 if fp8_attention else c.q_size  # the fp8 attention writes o_proj's input quantized
-        quantize = tokens * (o_input + (inter if tokens <= shapes.gemv_max_rows else 2 * inter)) * s
-    layers = c.num_hidden_layers
+        quantize = kept * (o_input + (inter if kept <= shapes.gemv_max_rows else 2 * inter)) * s
+    norm_weights = layer_norm_params(c) - (0 if kept else h)  # no second norm without rows
     return {
-        "linear": layers * (weights + layer_norm_params(c) * s),
-        "linear_inputs": layers * inputs,
-        "norm": layers * 2 * norm_inputs * tokens * h * s,
+        "linear": weights + norm_weights * s,
+        "linear_inputs": inputs,
+        "norm": (_norm_inputs(tokens, shapes) * tokens + _norm_inputs(kept, shapes) * kept) * h * s,
         # QK-norm + RoPE + the cache store reads the qkv product and a cos and a sin row (float32) per token
-        "rope": layers * tokens * (qkv * s + c.head_dim * 4),
-        "activation": 0.0 if fused_gate else layers * tokens * 2 * inter * s,  # SiLU * up, unfused
-        "quantize": layers * quantize,
-        "bias": layers * tokens * qkv * s if c.attention_bias else 0.0,  # the bias add after the qkv product
-        "attention_q": layers * tokens * c.q_size * (1 if fp8_attention else s),  # attention reads the rotated queries
+        "rope": tokens * (qkv * s + c.head_dim * 4),
+        "activation": 0.0 if fused_gate else kept * 2 * inter * s,  # SiLU * up, unfused
+        "quantize": quantize,
+        "bias": tokens * qkv * s if c.attention_bias else 0.0,  # the bias add after the qkv product
+        # attention reads the rotated queries (none where the layer attends nothing)
+        "attention_q": (tokens if queries is None else queries) * c.q_size * (1 if fp8_attention else s) if kept
+        else 0.0,
     }
 
 
-def attention_flops(c: ModelConfig, query_tokens: int, prefix: int, causal: bool = True) -> float:
-    """QK^T and PV over all layers for `query_tokens` new tokens after `prefix` cached ones."""
+def _norm_inputs(rows: int, shapes: KernelShapes) -> int:
+    """Tensors a norm reads after a product over `rows`: a GEMV has no epilogue, its product reaches the residual
+    stream through the norm, which reads the product and the stream; after a GEMM that added it there (bf16
+    weights), the stream alone."""
+    return 2 if rows <= shapes.gemv_max_rows or shapes.weight_size else 1
+
+
+def _layers(c: ModelConfig, dtype: torch.dtype, tokens: int, kept: int, shapes: KernelShapes,
+            fp8_attention: bool = False, last_row: bool = False) -> dict[str, float]:
+    """Bytes of all decoder layers' kernels (_layer): every layer over all tokens but the last, over `kept`;
+    last_row: the last layer attends its last row's query alone, in bf16 (attention.attends_last_row_alone)."""
+    full = _layer(c, dtype, tokens, tokens, shapes, fp8_attention)
+    last = full if kept == tokens else _layer(c, dtype, tokens, kept, shapes, fp8_attention and not last_row,
+                                               1 if last_row else None)
+    return {part: (c.num_hidden_layers - 1) * full[part] + last[part] for part in full}
+
+
+def attention_flops(c: ModelConfig, query_tokens: int, prefix: int, causal: bool = True,
+                    layers: int | None = None) -> float:
+    """QK^T and PV over all layers (or `layers` of them) for `query_tokens` new tokens after `prefix` cached ones."""
     if causal:
         keys = query_tokens * prefix + query_tokens * (query_tokens + 1) / 2
     else:
         keys = query_tokens * (prefix + query_tokens)
-    return 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * keys
+    return 4 * (c.num_hidden_layers if layers is None else layers) * c.num_attention_heads * c.head_dim * keys
 
 
 def _step(c: ModelConfig, dtype: torch.dtype, tokens: int, sampled: int, attention_flops_: float, kv_read: float,
-          partials: float, shapes: KernelShapes, fp8_attention: bool = False) -> Cost:
+          partials: float, shapes: KernelShapes, fp8_attention: bool = False, last_row: bool = False) -> Cost:
     s, h = dtype.itemsize, c.hidden_size
-    layer = _layers(c, dtype, tokens, shapes, fp8_attention)
-    final_norm = (2 if tokens <= shapes.gemv_max_rows or shapes.weight_size else 1) * tokens * h * s
+    layer = _layers(c, dtype, tokens, sampled, shapes, fp8_attention, last_row)
+    final_norm = _norm_inputs(sampled, shapes) * sampled * h * s  # the sampled rows alone (models/qwen3.py)
+    qkv_params = h * (c.q_size + 2 * c.kv_size) + (c.q_size + 2 * c.kv_size if c.attention_bias else 0)
+    # every layer's qkv product over all tokens; the rest of the last layer over the sampled rows alone
+    linear_flops = 2 * (c.num_hidden_layers * tokens * qkv_params
+                        + ((c.num_hidden_layers - 1) * tokens + sampled) * (layer_linear_params(c) - qkv_params))
     # An fp8 lm_head's W8A8 product over more than one row quantizes them first (a read of the bf16 rows), then
     # reads them as fp8 rows with a float32 scale each; one row is the streaming GEMV's, which reads it in bf16.
     head_w8a8 = shapes.head_size and shapes.w8a8 and s == 2 and sampled > 1
     head_input = sampled * (h + 4) if head_w8a8 else sampled * h * s
     return _make({
-        "linear": {"flops": 2 * tokens * c.num_hidden_layers * layer_linear_params(c), "bytes": layer["linear"]},
+        "linear": {"flops": linear_flops, "bytes": layer["linear"]},
         "linear_inputs": {"bytes": layer["linear_inputs"]},
         "attention": {"flops": attention_flops_, "bytes": layer["attention_q"] + partials},
         "kv_read": {"bytes": kv_read},
@@ -279,8 +306,17 @@ def prefill_cost(c: ModelConfig, dtype: torch.dtype, seqs: list[tuple[int, int]]
     kv_read = sum(p + n for n, p in seqs) * shapes.kv_bytes_per_token(c, dtype)
     fp8_attention = (shapes.fp8_prefill_attention and len(seqs) == 1 and seqs[0][1] == 0
                      and seqs[0][0] >= FP8_PREFILL_MIN_TOKENS)
-    return _step(c, dtype, tokens, logits_tokens, sum(attention_flops(c, n, p, causal) for n, p in seqs), kv_read,
-                 0.0, shapes, fp8_attention)
+    # a step that samples nothing (a prompt's chunk) attends nothing in its last layer; a long fresh prompt alone
+    # attends its last row alone there (models/qwen3.py, attention.attends_last_row_alone)
+    layers = c.num_hidden_layers - (0 if logits_tokens else 1)
+    last_row = (len(seqs) == 1 and seqs[0][1] == 0 and seqs[0][0] >= FP8_PREFILL_MIN_TOKENS and logits_tokens == 1)
+    if last_row:
+        n = seqs[0][0]
+        flops = attention_flops(c, n, 0, causal, layers - 1) + attention_flops(c, 1, n - 1, causal, 1)
+    else:
+        flops = sum(attention_flops(c, n, p, causal, layers) for n, p in seqs)
+    return _step(c, dtype, tokens, logits_tokens, flops, kv_read * layers / c.num_hidden_layers, 0.0, shapes,
+                 fp8_attention, last_row)
 
 
 def decode_cost(c: ModelConfig, dtype: torch.dtype, context_lens: list[int], shapes: KernelShapes = DEFAULT_SHAPES

@@ -394,7 +394,9 @@ def step_cost(engine, r: StepRecord, shapes: KernelShapes | None = None) -> Cost
         step = r.step
         if step.is_prefill:
             seqs = [(q, c - q) for q, c in zip(step.query_lens, step.context_lens)]
-            r.timing.cost = prefill_cost(engine.config, engine.dtype, seqs, shapes=shapes)
+            # the rows it sampled (a prompt's chunk samples none), where the step's tokens are known
+            sampled = sum(t is not None for t in step.tokens) if step.tokens else None
+            r.timing.cost = prefill_cost(engine.config, engine.dtype, seqs, sampled, shapes=shapes)
         else:
             r.timing.cost = decode_cost(engine.config, engine.dtype, step.context_lens, shapes=shapes)
     return r.timing.cost
