@@ -166,23 +166,25 @@ GROUPED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPB
 FP8_PREFILL_MIN_TOKENS = 2049
 
 
+def long_prompt_alone(batch: AttentionBatch) -> bool:
+    """A step that is a fresh prompt of FP8_PREFILL_MIN_TOKENS or more alone: never in a CUDA graph (the graphs'
+    prompts are shorter), so its rows are the prompt's, no padding."""
+    return (batch.is_prefill and batch.varlen is None and not batch.num_decodes and len(batch.query_lens) == 1
+            and not batch.prefix_lens[0] and batch.query_lens[0] >= FP8_PREFILL_MIN_TOKENS)
+
+
 def fp8_prefill_rows(batch: AttentionBatch) -> int | None:
     """The length a step's fp8 prefill attention (kernels/fp8_prefill_attention.py) runs at, its prompt's bucket,
-    where it takes the step: a fresh prompt of FP8_PREFILL_MIN_TOKENS or more alone, not in a CUDA graph."""
-    if (not batch.is_prefill or batch.varlen is not None or batch.num_decodes or len(batch.query_lens) != 1
-            or batch.prefix_lens[0] or batch.query_lens[0] < FP8_PREFILL_MIN_TOKENS):
-        return None
-    return prefill_bucket(batch.query_lens[0])
+    where it takes the step (long_prompt_alone)."""
+    return prefill_bucket(batch.query_lens[0]) if long_prompt_alone(batch) else None
 
 
 def attends_last_row_alone(batch: AttentionBatch, keep: torch.Tensor | None) -> bool:
     """Whether a layer that keeps the rows `keep` (the last: models/qwen3.py) attends with the last row's query
-    alone, over all of the step's keys: a fresh prompt of FP8_PREFILL_MIN_TOKENS or more alone, which is never in
-    a CUDA graph (no padding rows), keeping one row, its last (the only row such a step samples). Its causal
-    attention would cost the layer what a whole prompt's does, quadratic in its length, for rows nothing reads."""
-    return (keep is not None and len(keep) == 1 and batch.is_prefill and batch.varlen is None
-            and not batch.num_decodes and len(batch.query_lens) == 1 and not batch.prefix_lens[0]
-            and batch.query_lens[0] >= FP8_PREFILL_MIN_TOKENS)
+    alone, over all of the step's keys: a long prompt alone keeping one row, its last (the only row such a step
+    samples). Its causal attention would cost the layer what a whole prompt's does, quadratic in its length, for
+    rows nothing reads."""
+    return keep is not None and len(keep) == 1 and long_prompt_alone(batch)
 
 
 def last_row_attention(q, k, v) -> torch.Tensor:

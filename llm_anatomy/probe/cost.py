@@ -304,12 +304,12 @@ def prefill_cost(c: ModelConfig, dtype: torch.dtype, seqs: list[tuple[int, int]]
     tokens = sum(n for n, _ in seqs)
     logits_tokens = len(seqs) if logits_tokens is None else logits_tokens
     kv_read = sum(p + n for n, p in seqs) * shapes.kv_bytes_per_token(c, dtype)
-    fp8_attention = (shapes.fp8_prefill_attention and len(seqs) == 1 and seqs[0][1] == 0
-                     and seqs[0][0] >= FP8_PREFILL_MIN_TOKENS)
+    long_alone = len(seqs) == 1 and seqs[0][1] == 0 and seqs[0][0] >= FP8_PREFILL_MIN_TOKENS  # attention.py's
+    fp8_attention = shapes.fp8_prefill_attention and long_alone
     # a step that samples nothing (a prompt's chunk) attends nothing in its last layer; a long fresh prompt alone
     # attends its last row alone there (models/qwen3.py, attention.attends_last_row_alone)
     layers = c.num_hidden_layers - (0 if logits_tokens else 1)
-    last_row = (len(seqs) == 1 and seqs[0][1] == 0 and seqs[0][0] >= FP8_PREFILL_MIN_TOKENS and logits_tokens == 1)
+    last_row = long_alone and logits_tokens == 1
     if last_row:
         n = seqs[0][0]
         flops = attention_flops(c, n, 0, causal, layers - 1) + attention_flops(c, 1, n - 1, causal, 1)
