@@ -285,14 +285,15 @@ class Attention(nn.Module):
         width = self.num_heads * self.head_dim
 
         def decode(q, k_cache, v_cache, block_tables, context_lens, splits=None, block_n=None):
-            # An fp8 cache's CUDA kernel is launched without PDL: the engine with its PDL launch is not yet measured
+            # Either kernel launches early and lets the next launch first where a streaming GEMV (o_proj) follows,
+            # so that it streams its weights during the attention
+            launch_first = plan.streams(q.shape[0], width, q.dtype)
             if batch.decode_fp8_cuda and fp8_attention.unsupported(q, k_cache, v_cache, block_tables,
                                                                    context_lens) is None:
                 return fp8_attention.fp8_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                                          splits=splits)
+                                                          splits=splits, pdl=plan.pdl, launch_first=launch_first)
             return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, splits=splits,
-                                          block_n=block_n, pdl=plan.pdl,
-                                          launch_first=plan.streams(q.shape[0], width, q.dtype))
+                                          block_n=block_n, pdl=plan.pdl, launch_first=launch_first)
 
         if not batch.is_prefill:
             return decode(out, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.decode_splits,
