@@ -93,6 +93,8 @@ def test_choose_plan_follows_the_config_on_the_cpu():
     assert choose_plan(EngineConfig(lookahead=True), cpu, "bfloat16", "bfloat16").lookahead
     assert plan.eager() == plan and plan.describe()["decode_attention"]["long_splits"] == 48
     assert not choose_plan(EngineConfig(), cpu, "bfloat16", "float8_e4m3fn").decode_attention.fp8_cuda
+    fp8 = choose_plan(EngineConfig(), cpu, "float8_e4m3fn", "float8_e4m3fn")  # no torch._scaled_mm on a CPU
+    assert not fp8.fp8_fast_accum and fp8.describe()["fp8_fast_accum"] is False
 
 
 def test_fp8_prefill_attention_is_a_gpu_plan_taken_by_a_long_fresh_prompt_alone():

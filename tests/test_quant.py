@@ -220,7 +220,7 @@ def test_the_anatomy_says_which_precision_ran(save_tiny):
     text = " ".join(console.export_text().split())
     assert "Precision fp8 e4m3 weights" in text and "KV cache in float8_e4m3fn" in text
     assert "KV cache in <b>float8_e4m3fn</b>" in render_html(fp8)
-    assert "attended in fp8" not in text  # no fp8 prefill attention on a CPU
+    assert "attended in fp8" not in text and "fast accumulation" not in text  # neither on a CPU
 
     # an engine whose plan attends long prompts in fp8 (a GPU's) says so, with the plan's threshold
     from dataclasses import replace
@@ -229,8 +229,11 @@ def test_the_anatomy_says_which_precision_ran(save_tiny):
 
     planned = replace(fp8, startup=StartupRecord(
         total_s=1.0, compile_and_capture_s=0.5, cuda_graphs=2, programmatic_dependent_launch=True,
-        streaming_gemv=True, tile_tuning_s=0.0, plan={"fp8_prefill_attention": True, "fp8_prefill_min_tokens": 2049}))
+        streaming_gemv=True, tile_tuning_s=0.0, plan={"fp8_fast_accum": True, "fp8_prefill_attention": True,
+                                                      "fp8_prefill_min_tokens": 2049}))
     console = Console(record=True, width=300)
     render(planned, console)
-    words = "prompts of 2049 tokens or more attended in fp8 (cuDNN) when alone in a prefill step"
-    assert words in " ".join(console.export_text().split()) and words in render_html(planned)
+    words = ("fp8 GEMMs summed in the tensor cores' fp8 accumulator (fast accumulation); prompts of 2049 tokens or more "
+             "attended in fp8 (cuDNN) when alone in a prefill step")
+    html = render_html(planned).replace("&#39;", "'")
+    assert words in " ".join(console.export_text().split()) and words in html

@@ -148,6 +148,60 @@ def test_fp8_layer_prefill_on_the_gpu(block):
     assert rel(layer.fast_product(x, gated=True), torch.nn.functional.silu(gate) * up) < 0.05
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_fp8_fast_accumulation_stays_within_a_few_roundings_of_float32_sums(k):
+    """fast_accum (the plan's fp8_fast_accum): torch._scaled_mm sums in the tensor cores' fp8 accumulator. Against
+    float32 sums of the same fp8 operands it differs from the promoted sums, and by a few bf16 roundings of the
+    output at most (Qwen3-8B's K: 4096, and down_proj's 12288)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("W8A8 needs sm_90")
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(torch.nn.Linear(k, 1024, bias=False, device=DEVICE, dtype=torch.bfloat16))
+    x = torch.randn(512, k, device=DEVICE, dtype=torch.bfloat16)
+    xq, x_scale = quantize_rows_reference(x)
+    sums = (xq.float() * x_scale) @ (layer.weight.float() * layer.weight_scale[:, None]).t()
+    rounding = rel(sums.bfloat16(), sums)
+    promoted, fast = layer.fast_product(x), layer.fast_product(x, fast_accum=True)
+    assert not torch.equal(promoted, fast)
+    assert rel(promoted, sums) < 1.5 * rounding
+    assert rel(fast, sums) < 4 * rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_fp8_engine_plans_fast_accumulation_and_its_gemms_take_it(save_tiny, monkeypatch):
+    """choose_plan: fp8 weights on a Hopper GPU's fast path sum fast; bf16 weights, or the PyTorch path, have no
+    such GEMMs. The engine's prefill passes it to every torch._scaled_mm."""
+    from llm_anatomy import Engine
+    from llm_anatomy.engine.config import EngineConfig
+    from llm_anatomy.engine.plan import choose_plan
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("W8A8 needs sm_90")
+    config = EngineConfig(device="cuda")
+    assert choose_plan(config, DEVICE, "float8_e4m3fn", "bfloat16").fp8_fast_accum
+    assert not choose_plan(config, DEVICE, "bfloat16", "bfloat16").fp8_fast_accum
+    assert not choose_plan(EngineConfig(device="cuda", fast_path=False), DEVICE, "float8_e4m3fn",
+                           "bfloat16").fp8_fast_accum
+    directory, _ = save_tiny(hidden_size=512, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                             head_dim=32, num_hidden_layers=2)
+    engine = Engine.from_pretrained(directory, device=DEVICE, dtype=torch.bfloat16, kv_cache_tokens=4096,
+                                    max_num_seqs=2, quantization="fp8", cuda_graphs=False)
+    assert engine.plan.fp8_fast_accum and engine.plan.describe()["fp8_fast_accum"]
+    seen = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum"))
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    engine.generate_many([list(range(3, 300))], temperature=0, max_tokens=1)
+    assert seen and all(seen)  # qkv, o, gate_up and down of both layers' prefill
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_per_token_quantization_kernel_matches_its_reference(gated):
     """kernels/fp8_quant.quantize_rows against the PyTorch ops: the same scales and fp8 values (on the GPU to the

@@ -78,6 +78,11 @@ class ExecutionPlan:
     # attention.FP8_PREFILL_MIN_TOKENS tokens or more, in cuDNN's fp8 SDPA (kernels/fp8_prefill_attention.py): Q, K
     # and V as the cache stores them, the output in fp8 rows for o_proj's W8A8 product.
     fp8_prefill_attention: bool = False
+    # W8A8 products through torch._scaled_mm sum in the tensor cores' own fp8 accumulator (use_fast_accum), without
+    # cuBLAS promoting partial sums to float32 as it goes, as vLLM's CUTLASS fp8 kernels for Hopper do: their
+    # error against float32 sums grows from the output's bf16 rounding alone to about twice it at K = 12288, far
+    # below the fp8 weights' own, for GEMMs 6-10% shorter (benchmarks/README.md).
+    fp8_fast_accum: bool = False
     gemv_tiles: Mapping = field(default_factory=lambda: MappingProxyType({}))  # tile_key -> Tile (tuning.py)
     decode_attention: DecodeAttentionPlan = DecodeAttentionPlan()
     weight_dtype: str = "bfloat16"  # the linear layers' weights: the model dtype, or "float8_e4m3fn"
@@ -111,7 +116,8 @@ class ExecutionPlan:
         return {"kernels": self.kernels, "cuda_graphs": self.cuda_graphs, "pdl": self.pdl,
                 "stream_gemv": self.stream_gemv, "norm_in_gemv": self.norm_in_gemv,
                 "residual_in_gemm": self.residual_in_gemm, "lookahead": self.lookahead,
-                "cuda_gated_quant": self.cuda_gated_quant, "fp8_prefill_attention": self.fp8_prefill_attention,
+                "cuda_gated_quant": self.cuda_gated_quant, "fp8_fast_accum": self.fp8_fast_accum,
+                "fp8_prefill_attention": self.fp8_prefill_attention,
                 **({"fp8_prefill_min_tokens": FP8_PREFILL_MIN_TOKENS} if self.fp8_prefill_attention else {}),
                 "weight_dtype": self.weight_dtype, "head_dtype": self.head_dtype, "kv_cache_dtype": self.kv_cache_dtype,
                 "gemv_tiles": {"x".join(map(str, k)): str(t) for k, t in self.gemv_tiles.items()},
@@ -147,14 +153,16 @@ def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, k
             from ..kernels.fp8_prefill_attention import available as fp8_prefill_available
 
             fp8_prefill = fp8_prefill_available(device, *attention_heads)
-    cuda_gated_quant = False
+    cuda_gated_quant = fast_accum = False
     if kernels and cuda and weight_dtype == "float8_e4m3fn":
         from ..kernels.fp8_quant_cuda import available as cuda_gated_quant_available
 
         cuda_gated_quant = cuda_gated_quant_available(device)
+        fast_accum = True
     return ExecutionPlan(kernels=kernels, cuda_graphs=graphs, pdl=pdl, stream_gemv=stream, norm_in_gemv=stream,
                          residual_in_gemm=kernels, lookahead=cuda if config.lookahead is None else config.lookahead,
-                         cuda_gated_quant=cuda_gated_quant, fp8_prefill_attention=fp8_prefill,
+                         cuda_gated_quant=cuda_gated_quant, fp8_fast_accum=fast_accum,
+                         fp8_prefill_attention=fp8_prefill,
                          decode_attention=DecodeAttentionPlan(fp8_cuda=fp8_cuda),
                          weight_dtype=weight_dtype, head_dtype=head_dtype,
                          kv_cache_dtype=kv_cache_dtype)

@@ -13,8 +13,9 @@ The product, by path:
 - the fast path, per-channel scales, bf16 on sm_90 or later: W8A8, the activations quantized per token by one
   kernel (kernels/fp8_quant.py), then a decode step's few rows (up to 16) through the fp8 tensor-core GEMV
   (fp8_gemv.w8a8_gemv) and more rows (prefill) through torch._scaled_mm (row-wise scaling, scale_a [M, 1] and
-  scale_b [1, N], float32). The gated product (gate_up) can hand on SiLU(gate) * up already quantized (Fp8Rows),
-  which the down projection takes as it is: that activation is never written in bf16; likewise the norm before
+  scale_b [1, N], float32; its sums in the tensor cores' fp8 accumulator where the plan says: fp8_fast_accum).
+  The gated product (gate_up) can hand on SiLU(gate) * up already quantized (Fp8Rows), which the down
+  projection takes as it is: that activation is never written in bf16; likewise the norm before
   qkv_proj and gate_up_proj writes its result quantized (takes_fp8_rows; a batch-1 decode step's GEMVs are the
   streaming kernel's, kernels/stream_gemv.py, which takes the bf16 row and quantizes it itself, W8A8 too);
 - elsewhere on the fast path (block scales, fp16/fp32, a GPU before sm_90): W8A16, the fp8 GEMV (up to 16 rows) or
@@ -168,15 +169,18 @@ class Fp8Linear(nn.Module):
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def fast_product(self, x: torch.Tensor | Fp8Rows, gated: bool = False, pdl: bool = False,
-                     quantized_output: bool = False, cuda_gated_quant: bool = False) -> torch.Tensor | Fp8Rows:
+                     quantized_output: bool = False, cuda_gated_quant: bool = False, fast_accum: bool = False
+                     ) -> torch.Tensor | Fp8Rows:
         """The fast path's product (see the module's docstring) of x [rows, K] (or of rows already quantized,
         Fp8Rows); with gated (gate_up_proj = [gate; up]) SiLU(x gate^T) * (x up^T), rounded as HF rounds it, and
         with quantized_output as well, that quantized per token (Fp8Rows) where the product is W8A8. The batch-1
         streaming GEMV is the model's to choose (qwen3.skinny_product), with the plan. `pdl`: the Triton kernels'
-        launches (kernels/pdl.py); `cuda_gated_quant`: SiLU(gate) * up quantized by the CUDA kernel (the plan's)."""
+        launches (kernels/pdl.py); `cuda_gated_quant`: SiLU(gate) * up quantized by the CUDA kernel; `fast_accum`:
+        torch._scaled_mm's sums in the tensor cores' fp8 accumulator (both the plan's)."""
         if isinstance(x, Fp8Rows) and not (self._w8a8(x.values, x.dtype) and (self.bias is None or not gated)):
             x = x.dequantized()
-        y = self._fast(x, gated, pdl, quantized_output, cuda_gated_quant) if self.bias is None or not gated else None
+        y = (self._fast(x, gated, pdl, quantized_output, cuda_gated_quant, fast_accum)
+             if self.bias is None or not gated else None)
         if y is None:
             y = self.forward(x)
             if gated:
@@ -197,7 +201,7 @@ class Fp8Linear(nn.Module):
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
     def _fast(self, x: torch.Tensor | Fp8Rows, gated: bool, pdl: bool, quantized_output: bool,
-              cuda_gated_quant: bool) -> torch.Tensor | Fp8Rows | None:
+              cuda_gated_quant: bool, fast_accum: bool) -> torch.Tensor | Fp8Rows | None:
         from ..kernels import fp8_gemv, fp8_quant, use_kernels
         from ..kernels.activation import silu_mul
 
@@ -217,7 +221,7 @@ class Fp8Linear(nn.Module):
             y = fp8_gemv.w8a8_gemv(xq, x_scale, self.weight, self.weight_scale, dtype, gated, pdl=pdl)
             return Fp8Rows(*fp8_quant.quantize_rows(y, pdl=pdl), dtype) if gated and quantized_output else y
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
-                             out_dtype=dtype)
+                             out_dtype=dtype, use_fast_accum=fast_accum)
         if not gated:
             return y
         if quantized_output:

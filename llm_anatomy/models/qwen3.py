@@ -124,11 +124,11 @@ def linear(x: torch.Tensor | PendingNorm, layer: nn.Linear, plan: ExecutionPlan)
         if y is None:
             return linear(x.normed(plan), layer, plan)
     elif not isinstance(x, torch.Tensor):  # quantized by the norm for this W8A8 product (takes_fp8_rows)
-        return layer.fast_product(x, pdl=plan.pdl)
+        return layer.fast_product(x, pdl=plan.pdl, fast_accum=plan.fp8_fast_accum)
     elif not plan.kernels:
         return layer(x)
     elif (y := skinny_product(x, layer, plan)) is None:
-        return layer.fast_product(x, pdl=plan.pdl) if is_fp8(layer) else layer(x)
+        return layer.fast_product(x, pdl=plan.pdl, fast_accum=plan.fp8_fast_accum) if is_fp8(layer) else layer(x)
     return y if layer.bias is None else y + layer.bias
 
 
@@ -315,7 +315,7 @@ class MLP(nn.Module):
         if plan.kernels:
             act = self._fast_activation(x, plan)
             if not isinstance(act, torch.Tensor):  # quantized for the fp8 down projection (quant.Fp8Rows)
-                return self.down_proj.fast_product(act, pdl=plan.pdl)
+                return self.down_proj.fast_product(act, pdl=plan.pdl, fast_accum=plan.fp8_fast_accum)
             return residual_linear(act, self.down_proj, plan, residual)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -332,13 +332,13 @@ class MLP(nn.Module):
             x = x.normed(plan)
         if not isinstance(x, torch.Tensor):  # quantized by the norm for this W8A8 product (takes_fp8_rows)
             return layer.fast_product(x, gated=True, pdl=plan.pdl, quantized_output=is_fp8(self.down_proj),
-                                     cuda_gated_quant=plan.cuda_gated_quant)
+                                     cuda_gated_quant=plan.cuda_gated_quant, fast_accum=plan.fp8_fast_accum)
         act = skinny_product(x, layer, plan, gated=True)  # decode: SiLU*up fused into the gate_up GEMV
         if act is not None:
             return act
         if is_fp8(layer):
             return layer.fast_product(x, gated=True, pdl=plan.pdl, quantized_output=is_fp8(self.down_proj),
-                                     cuda_gated_quant=plan.cuda_gated_quant)
+                                     cuda_gated_quant=plan.cuda_gated_quant, fast_accum=plan.fp8_fast_accum)
         if matmul.supports_gated(x, w):  # a long prefill: SiLU*up in the GEMM's epilogue
             return matmul.matmul(x, w, matmul.GATED_TILE, gated=True, pdl=plan.pdl)
         return silu_mul(self.gate_up_proj(x), pdl=plan.pdl)

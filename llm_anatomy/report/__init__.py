@@ -2,7 +2,7 @@
 
 from .units import finite, seconds
 
-__all__ = ["finite", "fp8_prefill_attention_words", "startup_text"]
+__all__ = ["finite", "fp8_plan_words", "startup_text"]
 
 
 def startup_text(a) -> str | None:
@@ -21,11 +21,16 @@ def startup_text(a) -> str | None:
             f"{tiles} (programmatic dependent launch {pdl}{streaming})")
 
 
-def fp8_prefill_attention_words(a) -> str | None:
-    """The engine's plan attends long fresh prompts in fp8 (engine/plan.py ExecutionPlan.fp8_prefill_attention), in
-    words for the precision line; None where it does not (or the anatomy has no start-up record)."""
+def fp8_plan_words(a) -> str | None:
+    """What the engine's plan does in fp8 beyond the stored precisions (engine/plan.py ExecutionPlan:
+    fp8_fast_accum, fp8_prefill_attention), in words for the precision line; None where nothing (or the anatomy
+    has no start-up record)."""
     s = getattr(a, "startup", None)
-    if s is None or not s.plan.get("fp8_prefill_attention"):
-        return None
-    return (f"prompts of {s.plan['fp8_prefill_min_tokens']} tokens or more attended in fp8 (cuDNN) when alone in a "
-            f"prefill step")
+    plan = {} if s is None else s.plan
+    words = []
+    if plan.get("fp8_fast_accum"):
+        words.append("fp8 GEMMs summed in the tensor cores' fp8 accumulator (fast accumulation)")
+    if plan.get("fp8_prefill_attention"):
+        words.append(f"prompts of {plan['fp8_prefill_min_tokens']} tokens or more attended in fp8 (cuDNN) when alone "
+                     f"in a prefill step")
+    return "; ".join(words) or None
