@@ -478,7 +478,7 @@ def test_which_products_the_norm_quantizes_for(monkeypatch):
     biased = Fp8Linear.from_linear(torch.nn.Linear(2048, 64, bias=True))
     blocks = Fp8Linear.from_linear(torch.nn.Linear(2048, 64, bias=False), WeightScheme("block", "s", (32, 128)))
     fast, streaming = ExecutionPlan(kernels=True), ExecutionPlan(kernels=True, stream_gemv=True)
-    rows = torch.zeros(2, 2048, dtype=torch.bfloat16)
+    rows = torch.zeros(2, 2048, dtype=torch.bfloat16, device=DEVICE)  # where the module's kernels run
     one = rows[:1]
     assert takes_fp8_rows(rows, layer, fast) and takes_fp8_rows(rows, layer, fast, gated=True)
     assert takes_fp8_rows(one, layer, fast) and takes_fp8_rows(rows, layer, streaming)
