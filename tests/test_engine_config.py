@@ -32,6 +32,8 @@ def test_engine_config_is_frozen_and_exported():
     (dict(gpu_memory_utilization=0), r"gpu_memory_utilization must be a fraction in \(0, 1\]"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be a fraction"),
     (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization must be a fraction"),
+    (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization must be a fraction"),
+    (dict(gpu_memory_utilization=True), "gpu_memory_utilization must be a fraction"),
     (dict(quantization="awq"), "quantization 'awq' is not supported; use one of: fp8"),
     (dict(quantize_lm_head=True), r"quantize_lm_head \(--quantize-lm-head\) needs quantization='fp8'"),
     (dict(quantize_lm_head="yes", quantization="fp8"), "quantize_lm_head must be True or False, got 'yes'"),

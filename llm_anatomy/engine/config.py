@@ -29,6 +29,14 @@ def _check_int(name: str, value, low: int, high: int = INT64_MAX, optional: bool
                            else f"{name} must be in {low}..{high}, got {value}")
 
 
+def _check_real(name: str, value, what: str, within, optional: bool = False) -> None:
+    """A finite number (not a bool) for which within(value) holds; `what` names the range in the message."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not within(value):
+        raise AnatomyError(f"{name} must be {what}, got {value!r}")
+
+
 def _check_switch(name: str, value, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -93,9 +101,7 @@ class EngineConfig:
             raise AnatomyError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of: "
                                f"{', '.join(KV_CACHE_DTYPES)}")
         _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, optional=True)
-        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
-                or not 0 < self.gpu_memory_utilization <= 1:
-            raise AnatomyError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check_real("gpu_memory_utilization", self.gpu_memory_utilization, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
         _check_int("max_model_len", self.max_model_len, 1, optional=True)
         _check_int("max_num_seqs", self.max_num_seqs, 1, 65536)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
@@ -106,11 +112,9 @@ class EngineConfig:
         for name in ("cuda_graphs", "pdl", "stream_gemv", "mixed_steps"):
             _check_switch(name, getattr(self, name))
         _check_int("max_waiting_tokens", self.max_waiting_tokens, 0, 1_000_000)
-        ratio = self.waiting_served_ratio
-        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
-                                  or not math.isfinite(ratio) or ratio < 0):
-            raise AnatomyError(f"waiting_served_ratio must be a finite number >= 0, got {ratio!r}")
-        if ratio is not None and not self.max_waiting_tokens:
+        _check_real("waiting_served_ratio", self.waiting_served_ratio, "a finite number >= 0", lambda v: v >= 0,
+                    optional=True)
+        if self.waiting_served_ratio is not None and not self.max_waiting_tokens:
             raise AnatomyError("waiting_served_ratio (--waiting-served-ratio) ends the wait that max_waiting_tokens "
                                "(--max-waiting-tokens) sets: give that too")
         if self.max_waiting_tokens and self.mixed_steps:
