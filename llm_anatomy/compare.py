@@ -185,9 +185,12 @@ def compare_engines(baseline, quantized, prompts: list[tuple[str, list[int]]], m
 def engine_figures(engine, timings: tuple) -> EngineFigures:
     from .models.quant import linear_weight_bytes
 
+    from .report import fp8_plan_words
+
     label = engine.weights.quantization or f"{str(engine.dtype).removeprefix('torch.')} weights"
     kv = str(engine.pool.dtype).removeprefix("torch.")
-    return EngineFigures(f"{label}; KV cache {kv}", engine.weights.bytes, linear_weight_bytes(engine.model),
+    precision = "; ".join(filter(None, (label, f"KV cache {kv}", fp8_plan_words(engine.plan.describe()))))
+    return EngineFigures(precision, engine.weights.bytes, linear_weight_bytes(engine.model),
                          engine.pool.bytes_per_token, *timings)
 
 

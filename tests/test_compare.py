@@ -162,3 +162,21 @@ def test_context_tokens_put_a_document_before_each_request(save_tiny, tmp_path, 
         with pytest.raises(AnatomyError, match="more than .* context \\(512\\); lower --context-tokens"):
             cmd_compare(parse([str(directory), "--kv-cache-dtype", "fp8", "--device", "cpu", "--context-tokens",
                                "600"]))
+
+
+def test_the_precision_line_says_what_the_plan_does_in_fp8():
+    """A GPU engine's plan (fast accumulation, the fp8 prefill attention) shows beside the stored precisions; a CPU
+    engine's plan has neither."""
+    from types import SimpleNamespace
+
+    from llm_anatomy.compare import engine_figures
+
+    plan = {"fp8_fast_accum": True, "fp8_prefill_attention": True, "fp8_prefill_min_tokens": 2049}
+    engine = SimpleNamespace(weights=SimpleNamespace(quantization="fp8 e4m3 weights", bytes=10), dtype=torch.bfloat16,
+                             pool=SimpleNamespace(dtype=torch.float8_e4m3fn, bytes_per_token=4),
+                             model=torch.nn.Module(), plan=SimpleNamespace(describe=lambda: plan))
+    assert engine_figures(engine, (None, None)).precision == (
+        "fp8 e4m3 weights; KV cache float8_e4m3fn; fp8 GEMMs summed in the tensor cores' fp8 accumulator (fast "
+        "accumulation); prompts of 2049 tokens or more attended in fp8 (cuDNN) when alone in a prefill step")
+    plan.clear()
+    assert engine_figures(engine, (None, None)).precision == "fp8 e4m3 weights; KV cache float8_e4m3fn"

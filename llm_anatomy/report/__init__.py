@@ -2,7 +2,7 @@
 
 from .units import finite, seconds
 
-__all__ = ["finite", "fp8_plan_words", "startup_text"]
+__all__ = ["finite", "fp8_plan_words", "startup_plan", "startup_text"]
 
 
 def startup_text(a) -> str | None:
@@ -21,12 +21,9 @@ def startup_text(a) -> str | None:
             f"{tiles} (programmatic dependent launch {pdl}{streaming})")
 
 
-def fp8_plan_words(a) -> str | None:
-    """What the engine's plan does in fp8 beyond the stored precisions (engine/plan.py ExecutionPlan:
-    fp8_fast_accum, fp8_prefill_attention), in words for the precision line; None where nothing (or the anatomy
-    has no start-up record)."""
-    s = getattr(a, "startup", None)
-    plan = {} if s is None else s.plan
+def fp8_plan_words(plan: dict) -> str | None:
+    """What an engine's plan (ExecutionPlan.describe(), as an anatomy's start-up record keeps it) does in fp8 beyond
+    the stored precisions (fp8_fast_accum, fp8_prefill_attention), in words for a precision line; None: nothing."""
     words = []
     if plan.get("fp8_fast_accum"):
         words.append("fp8 GEMMs summed in the tensor cores' fp8 accumulator (fast accumulation)")
@@ -34,3 +31,9 @@ def fp8_plan_words(a) -> str | None:
         words.append(f"prompts of {plan['fp8_prefill_min_tokens']} tokens or more attended in fp8 (cuDNN) when alone "
                      f"in a prefill step")
     return "; ".join(words) or None
+
+
+def startup_plan(a) -> dict:
+    """The engine's plan as the anatomy's start-up record keeps it ({} without one)."""
+    s = getattr(a, "startup", None)
+    return {} if s is None else s.plan

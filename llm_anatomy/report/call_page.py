@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..anatomy import Anatomy
-from . import finite, fp8_plan_words, startup_text, units
+from . import finite, fp8_plan_words, startup_plan, startup_text, units
 from .call_charts import roofline_figure, steps_figure, timeline_figure
 from .charts import token_repr
 from .readings import BytesReading, bytes_reading, energy_reading, memory_words
@@ -32,7 +32,7 @@ def page_context(a: Anatomy) -> tuple[dict[str, Any], dict[str, Any]]:
     words = memory_words(a)
     context = dict(
         a=a, synthetic=a.weights.kind == "synthetic", startup=startup_text(a),
-        fp8_plan=fp8_plan_words(a),
+        fp8_plan=fp8_plan_words(startup_plan(a)),
         parameters=units.integer(a.model.parameters),
         cards=_headline(a), charts=charts, prefill=_prefill(a), decode=_decode(a),
         host_work=[(k.replace("_", " "), units.ms(v)) for k, v in (getattr(a, "host_ms", None) or {}).items()],

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..anatomy import Anatomy, percentile
-from . import finite, fp8_plan_words, startup_text, units
+from . import finite, fp8_plan_words, startup_plan, startup_text, units
 from .readings import BytesReading, bytes_reading, energy_reading, memory_words
 
 
@@ -54,7 +54,7 @@ def _header(a: Anatomy) -> Table:
     if m.precision or (m.kv_cache_dtype and m.kv_cache_dtype != m.dtype):
         header.add_row("Precision", "; ".join(filter(None, (m.precision, m.kv_cache_dtype and
                                                                 f"KV cache in {m.kv_cache_dtype}",
-                                                                fp8_plan_words(a)))))
+                                                                fp8_plan_words(startup_plan(a))))))
     header.add_row("Weights", Text(a.weights.label, style="bold yellow" if a.weights.kind == "synthetic" else ""))
     header.add_row("Device", f"{d.name}, {units.size(d.total_memory)} of {words.noun} ({d.why})")
     ce = a.ceilings
