@@ -30,8 +30,8 @@ class DecodeAttentionPlan:
     `short_block_n`-token tiles. Beyond it batch 1 takes `long_splits` splits (about two programs per
     multiprocessor on an H100/H200); batches take the kernel's default splits (None) over `batch_block_n`-token
     tiles. An fp8 cache is read by the CUDA kernel (`fp8_cuda`, kernels/fp8_decode_attention.py) where the
-    device has one, except at batch 1's short contexts (where the Triton kernel's launch overlaps the GEMV after
-    it): its splits are a warp each, so at batch 1 it takes its own default (a warp-sized count, not
+    device has one, except at batch 1's short contexts (where the Triton kernel makes the shorter step, both
+    launched early): its splits are a warp each, so at batch 1 it takes its own default (a warp-sized count, not
     long_splits). The figures that chose these are in benchmarks/README.md."""
     short_context: int = 2048
     short_splits: int = 16
