@@ -184,7 +184,6 @@ def compare_engines(baseline, quantized, prompts: list[tuple[str, list[int]]], m
 
 def engine_figures(engine, timings: tuple) -> EngineFigures:
     from .models.quant import linear_weight_bytes
-
     from .report import fp8_plan_words
 
     label = engine.weights.quantization or f"{str(engine.dtype).removeprefix('torch.')} weights"

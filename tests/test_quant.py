@@ -70,6 +70,23 @@ def test_quantize_linear_layers_swaps_all_but_lm_head_and_keeps_the_numerics():
     assert 0.5 < (linear_weight_bytes(model) - lm_head) / (before - lm_head) < 0.55 and ratio < 0.8
 
 
+def test_w8a8_gemms_are_those_of_per_channel_fp8_layers_over_bf16_rows_on_hopper(monkeypatch):
+    """What the plan's fp8 fast accumulation applies to (quant.w8a8_gemms): a model with per-channel fp8 layers over
+    bf16 rows on an sm_90+ GPU; not one of bf16 layers, not block-scaled layers (W8A16), not float32 rows, not a CPU."""
+    from llm_anatomy.models import quant
+
+    model, cpu = tiny_model(), torch.device("cpu")
+    quantize_linear_layers(model)
+    assert not quant.w8a8_gemms(model, cpu, torch.bfloat16)  # no torch._scaled_mm on a CPU
+    monkeypatch.setattr(quant, "_rowwise_scaled_mm", lambda device: True)  # as on a Hopper GPU
+    assert quant.w8a8_gemms(model, cpu, torch.bfloat16)
+    assert not quant.w8a8_gemms(model, cpu, torch.float32)
+    assert not quant.w8a8_gemms(tiny_model(), cpu, torch.bfloat16)  # bf16 layers
+    blocks = torch.nn.Sequential(Fp8Linear.from_linear(torch.nn.Linear(64, 64).bfloat16(),
+                                                       WeightScheme("block", "weight_scale_inv", (32, 32))))
+    assert not quant.w8a8_gemms(blocks, cpu, torch.bfloat16)
+
+
 def test_quantized_at_load_roughly_halves_the_linear_layers_of_qwen3_8b():
     """The real shapes, on the meta device (nothing allocated): the figure the anatomy reports."""
     config = ModelConfig.from_hf(resolve("Qwen/Qwen3-8B").config)
@@ -233,7 +250,7 @@ def test_the_anatomy_says_which_precision_ran(save_tiny):
                                                       "fp8_prefill_min_tokens": 2049}))
     console = Console(record=True, width=300)
     render(planned, console)
-    words = ("fp8 GEMMs summed in the tensor cores' fp8 accumulator (fast accumulation); prompts of 2049 tokens or more "
-             "attended in fp8 (cuDNN) when alone in a prefill step")
+    words = ("fp8 GEMMs summed in the tensor cores' fp8 accumulator (fast accumulation); prompts of 2049 tokens or "
+             "more attended in fp8 (cuDNN) when alone in a prefill step")
     html = render_html(planned).replace("&#39;", "'")
     assert words in " ".join(console.export_text().split()) and words in html

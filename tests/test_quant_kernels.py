@@ -172,8 +172,9 @@ def test_fp8_fast_accumulation_stays_within_a_few_roundings_of_float32_sums(k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_an_fp8_engine_plans_fast_accumulation_and_its_gemms_take_it(save_tiny, monkeypatch):
-    """choose_plan: fp8 weights on a Hopper GPU's fast path sum fast; bf16 weights, or the PyTorch path, have no
-    such GEMMs. The engine's prefill passes it to every torch._scaled_mm."""
+    """choose_plan: fp8 weights whose GEMMs are W8A8 (models/quant.w8a8_gemms) sum fast on a GPU's fast path; bf16
+    weights, fp8 ones without W8A8 products, or the PyTorch path, have no such GEMMs. The engine's prefill passes it
+    to every torch._scaled_mm."""
     from llm_anatomy import Engine
     from llm_anatomy.engine.config import EngineConfig
     from llm_anatomy.engine.plan import choose_plan
@@ -181,10 +182,11 @@ def test_an_fp8_engine_plans_fast_accumulation_and_its_gemms_take_it(save_tiny, 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("W8A8 needs sm_90")
     config = EngineConfig(device="cuda")
-    assert choose_plan(config, DEVICE, "float8_e4m3fn", "bfloat16").fp8_fast_accum
-    assert not choose_plan(config, DEVICE, "bfloat16", "bfloat16").fp8_fast_accum
+    assert choose_plan(config, DEVICE, "float8_e4m3fn", "bfloat16", w8a8_gemms=True).fp8_fast_accum
+    assert not choose_plan(config, DEVICE, "float8_e4m3fn", "bfloat16").fp8_fast_accum  # block scales: no W8A8
+    assert not choose_plan(config, DEVICE, "bfloat16", "bfloat16", w8a8_gemms=True).fp8_fast_accum
     assert not choose_plan(EngineConfig(device="cuda", fast_path=False), DEVICE, "float8_e4m3fn",
-                           "bfloat16").fp8_fast_accum
+                           "bfloat16", w8a8_gemms=True).fp8_fast_accum
     directory, _ = save_tiny(hidden_size=512, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
                              head_dim=32, num_hidden_layers=2)
     engine = Engine.from_pretrained(directory, device=DEVICE, dtype=torch.bfloat16, kv_cache_tokens=4096,
@@ -441,7 +443,7 @@ def test_fp8_engine_with_quantizing_norms_equals_it_without(save_tiny, monkeypat
     if DEVICE.type == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("W8A8 needs sm_90")
     if DEVICE.type == "cpu":
-        monkeypatch.setattr(quant.Fp8Linear, "_w8a8", lambda self, x, dtype: self.block is None)
+        monkeypatch.setattr(quant.Fp8Linear, "w8a8_on", lambda self, device, dtype: self.block is None)
     fused = []
     rmsnorm_fp8 = norm.rmsnorm_fp8
     monkeypatch.setattr(norm, "rmsnorm_fp8", lambda *a, **kw: fused.append(a[0].shape[0]) or rmsnorm_fp8(*a, **kw))

@@ -19,6 +19,7 @@ from ..models.attention import AttentionBatch
 from ..models.config import ModelConfig, dtype_name, parse_dtype
 from ..models.loader import (WeightsInfo, build_model, has_checkpoint, init_synthetic, load_checkpoint,
                              quantize_loaded_head)
+from ..models.quant import w8a8_gemms
 from ..prompt import render_prompt
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
@@ -198,7 +199,8 @@ class Engine:
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_fp8 else dtype  # what the KV pool stores
         self.plan = choose_plan(cfg, device, dtype_name(model.model.layers[0].self_attn.qkv_proj.weight.dtype),
                                 dtype_name(self.kv_dtype), dtype_name(model.lm_head.weight.dtype),
-                                (config.num_attention_heads, config.num_key_value_heads, config.head_dim))
+                                (config.num_attention_heads, config.num_key_value_heads, config.head_dim),
+                                w8a8_gemms(model, device, dtype))
         progress("sizing the KV cache")
         blocks = self._kv_blocks(cfg.kv_cache_tokens, cfg.gpu_memory_utilization)
         self.pool = KVCachePool(config, blocks, cfg.block_size, self.kv_dtype, device)

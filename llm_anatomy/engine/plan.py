@@ -125,10 +125,12 @@ class ExecutionPlan:
 
 
 def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, kv_cache_dtype: str,
-                head_dtype: str = "bfloat16", attention_heads: tuple[int, int, int] | None = None) -> ExecutionPlan:
+                head_dtype: str = "bfloat16", attention_heads: tuple[int, int, int] | None = None,
+                w8a8_gemms: bool = False) -> ExecutionPlan:
     """The plan this device can run for this config (before the GEMV tiles are tuned). A feature the config
     asks for stays off where the device cannot do it (PDL before Hopper, no NVRTC for the streaming GEMV).
-    attention_heads: the model's (heads, kv_heads, head_dim), which the fp8 prefill attention is checked for."""
+    attention_heads: the model's (heads, kv_heads, head_dim), which the fp8 prefill attention is checked for;
+    w8a8_gemms: whether any of its fp8 layers multiplies through torch._scaled_mm (models/quant.w8a8_gemms)."""
     cuda = device.type == "cuda"
     kernels = use_kernels(device) and cuda if config.fast_path is None else config.fast_path
     if kernels and not use_kernels(device):
@@ -158,7 +160,7 @@ def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, k
         from ..kernels.fp8_quant_cuda import available as cuda_gated_quant_available
 
         cuda_gated_quant = cuda_gated_quant_available(device)
-        fast_accum = True
+        fast_accum = w8a8_gemms
     return ExecutionPlan(kernels=kernels, cuda_graphs=graphs, pdl=pdl, stream_gemv=stream, norm_in_gemv=stream,
                          residual_in_gemm=kernels, lookahead=cuda if config.lookahead is None else config.lookahead,
                          cuda_gated_quant=cuda_gated_quant, fp8_fast_accum=fast_accum,

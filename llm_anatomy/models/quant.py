@@ -177,7 +177,7 @@ class Fp8Linear(nn.Module):
         streaming GEMV is the model's to choose (qwen3.skinny_product), with the plan. `pdl`: the Triton kernels'
         launches (kernels/pdl.py); `cuda_gated_quant`: SiLU(gate) * up quantized by the CUDA kernel; `fast_accum`:
         torch._scaled_mm's sums in the tensor cores' fp8 accumulator (both the plan's)."""
-        if isinstance(x, Fp8Rows) and not (self._w8a8(x.values, x.dtype) and (self.bias is None or not gated)):
+        if isinstance(x, Fp8Rows) and not (self.w8a8_on(x.values.device, x.dtype) and (self.bias is None or not gated)):
             x = x.dequantized()
         y = (self._fast(x, gated, pdl, quantized_output, cuda_gated_quant, fast_accum)
              if self.bias is None or not gated else None)
@@ -194,10 +194,11 @@ class Fp8Linear(nn.Module):
         before it may hand x over quantized instead (Fp8Rows, the same arithmetic: kernels/norm.rmsnorm_fp8)."""
         from ..kernels import use_kernels
 
-        return use_kernels(x.device) and self._w8a8(x, x.dtype) and (self.bias is None or not gated)
+        return use_kernels(x.device) and self.w8a8_on(x.device, x.dtype) and (self.bias is None or not gated)
 
-    def _w8a8(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
-        return (self.block is None and dtype == torch.bfloat16 and _rowwise_scaled_mm(x.device)
+    def w8a8_on(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the fast product of `dtype` rows on `device` is W8A8 (per-channel scales, bf16 rows, sm_90+)."""
+        return (self.block is None and dtype == torch.bfloat16 and _rowwise_scaled_mm(device)
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
     def _fast(self, x: torch.Tensor | Fp8Rows, gated: bool, pdl: bool, quantized_output: bool,
@@ -210,7 +211,7 @@ class Fp8Linear(nn.Module):
         else:
             if not use_kernels(x.device):
                 return None
-            if not self._w8a8(x, x.dtype):  # W8A16: the weights dequantized in registers
+            if not self.w8a8_on(x.device, x.dtype):  # W8A16: the weights dequantized in registers
                 if fp8_gemv.supports(x, self.weight, self.block):
                     return fp8_gemv.fp8_gemv(x, self.weight, self.weight_scale, self.block, gated, pdl=pdl)
                 if fp8_gemv.supports_matmul(x, self.weight, self.block):
@@ -286,6 +287,12 @@ def quantize_head(model: nn.Module) -> None:
     if not isinstance(model.lm_head, nn.Linear):
         raise UnsupportedModelError("lm_head is already quantized; quantize_lm_head quantizes a float lm_head")
     model.lm_head = Fp8Linear.from_linear(model.lm_head)
+
+
+def w8a8_gemms(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether any fp8 layer of `model` multiplies `dtype` rows on `device` in W8A8, through torch._scaled_mm past a
+    decode step's few rows (what ExecutionPlan.fp8_fast_accum applies to)."""
+    return any(isinstance(m, Fp8Linear) and m.w8a8_on(device, dtype) for m in model.modules())
 
 
 def linear_weight_bytes(model: nn.Module) -> int:
