@@ -800,3 +800,28 @@ def test_sigterm_drains_and_a_restart_keeps_anatomies(checkpoint, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) in (0, -signal.SIGTERM)
+
+
+def test_a_calls_last_tokens_reach_it_before_its_anatomy_however_fast_that_is_built(checkpoint, tmp_path,
+                                                                                       monkeypatch):
+    """The core posts a step's outputs before it hands that step's finished calls to the anatomy builders: an
+    anatomy sent at once (here by `add` itself, as a builder that wins the race against the step loop does) never
+    overtakes its call's last tokens, which the HTTP side, where the anatomy ends the call, would drop, leaving the
+    stream waiting for them."""
+    from llm_anatomy.server import anatomies
+
+    def built_at_once(self, call, trace, result, live_from=None):
+        self.builders[0]._emit(("anatomy", call.id, {"id": call.id}, None, None, None, False))
+
+    monkeypatch.setattr(anatomies.AnatomyBuilders, "add", built_at_once)
+    engine = Engine.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, kv_cache_tokens=1024,
+                                    block_size=16, max_num_seqs=8)
+    running = Running(engine, tmp_path)
+    try:
+        client = openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        results = streamed_completion_tokens(client, [
+            dict(model=MODEL, prompt="word " * (1 + i), max_tokens=2 + i, temperature=0, extra_body=NO_EOS)
+            for i in range(6)])
+        assert results == [2 + i for i in range(6)]
+    finally:
+        running.stop()

@@ -637,6 +637,10 @@ class EngineCore:
                 self._failures.append((call.id, 500, why, "server_error", None, False))
 
     def _hand_over_finished(self) -> None:
+        """The finished calls to the anatomy builders, once their last outputs are posted: a builder may send a
+        call's anatomy before this loop comes back to post them, and the HTTP side, where the anatomy ends the call,
+        would then drop its last tokens and leave its stream waiting."""
+        finished = []
         for trace in self.recorder.take_finished():
             call = self._calls.pop(trace.request_id, None)
             if call is None:
@@ -647,9 +651,16 @@ class EngineCore:
                 if not call.done:  # aborted
                     call.done = True
                     self._outputs.append(call.output(seq, len(seq.output_token_ids), seq.finish_reason))
-                self.anatomy_builders.add(call, trace, self.engine.result(seq, call.prompt_text),
-                                          self.recorder.oldest_step)
+                finished.append((call, trace, self.engine.result(seq, call.prompt_text)))
             except Exception as e:  # noqa: BLE001 - this call's record is lost, nothing else
+                self._fail(call, e, "recording")
+        if not finished:
+            return
+        self._flush()
+        for call, trace, result in finished:
+            try:
+                self.anatomy_builders.add(call, trace, result, self.recorder.oldest_step)
+            except Exception as e:  # noqa: BLE001
                 self._fail(call, e, "recording")
 
     def gauges(self) -> Gauges:
