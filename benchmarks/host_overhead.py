@@ -274,8 +274,7 @@ def http_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
         while engine.has_work():
             before = client.delivered
             core._step()
-            core._hand_over_finished()
-            core._flush()
+            core._post_and_hand_over()
             while client.delivered == before:  # until the reading thread has handed the step to the event loop
                 time.sleep(0.0002)
             http.settle()
@@ -339,8 +338,7 @@ def core_steps(engine, batch: int, prompt_tokens: int, output_tokens: int, run_d
         while engine.has_work():
             t0, c0, s0, b0 = time.perf_counter(), time.thread_time(), sender.cpu_s, sender.bytes
             core._step()
-            core._hand_over_finished()
-            core._flush()
+            core._post_and_hand_over()
             elapsed, used = time.perf_counter() - t0, time.thread_time() - c0
             if all(c.seq.output_token_ids[1:] for c in calls):  # a decode step
                 times.append(elapsed * 1e3)

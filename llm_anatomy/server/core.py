@@ -437,8 +437,7 @@ class EngineCore:
                 while self._take_inbox(block=not engine.has_work()):
                     if engine.has_work():
                         self._step()
-                    self._hand_over_finished()
-                    self._flush()
+                    self._post_and_hand_over()
                     self._cut_expired_profile()
         finally:
             self.turn.waits()  # the builders finish what is left without waiting for their turn
@@ -636,10 +635,10 @@ class EngineCore:
                 call.done = True
                 self._failures.append((call.id, 500, why, "server_error", None, False))
 
-    def _hand_over_finished(self) -> None:
-        """The finished calls to the anatomy builders, once their last outputs are posted: a builder may send a
-        call's anatomy before this loop comes back to post them, and the HTTP side, where the anatomy ends the call,
-        would then drop its last tokens and leave its stream waiting."""
+    def _post_and_hand_over(self) -> None:
+        """The step's outputs posted (with the gauges), then its finished calls handed to the anatomy builders, in
+        that order: a builder may send a call's anatomy at once, and the HTTP side, where the anatomy ends the call,
+        would drop last tokens that came after it and leave the stream waiting."""
         finished = []
         for trace in self.recorder.take_finished():
             call = self._calls.pop(trace.request_id, None)
@@ -654,14 +653,14 @@ class EngineCore:
                 finished.append((call, trace, self.engine.result(seq, call.prompt_text)))
             except Exception as e:  # noqa: BLE001 - this call's record is lost, nothing else
                 self._fail(call, e, "recording")
-        if not finished:
-            return
         self._flush()
         for call, trace, result in finished:
             try:
                 self.anatomy_builders.add(call, trace, result, self.recorder.oldest_step)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - this call's record is lost, nothing else
                 self._fail(call, e, "recording")
+        if self._failures:  # the calls whose handing over failed: answered now, not at the next step
+            self._flush()
 
     def gauges(self) -> Gauges:
         scheduler, pool = self.engine.scheduler, self.engine.pool
