@@ -79,9 +79,9 @@ class ExecutionPlan:
     # and V as the cache stores them, the output in fp8 rows for o_proj's W8A8 product.
     fp8_prefill_attention: bool = False
     # W8A8 products through torch._scaled_mm sum in the tensor cores' own fp8 accumulator (use_fast_accum), without
-    # cuBLAS promoting partial sums to float32 as it goes, as vLLM's CUTLASS fp8 kernels for Hopper do: their
-    # error against float32 sums grows from the output's bf16 rounding alone to about twice it at K = 12288, far
-    # below the fp8 weights' own, for GEMMs 6-10% shorter (benchmarks/README.md).
+    # cuBLAS promoting partial sums to float32 as it goes, as vLLM's CUTLASS fp8 kernels for Hopper do: a few bf16
+    # roundings of error against float32 sums, far below the fp8 weights' own, for shorter GEMMs (the figures:
+    # benchmarks/README.md).
     fp8_fast_accum: bool = False
     gemv_tiles: Mapping = field(default_factory=lambda: MappingProxyType({}))  # tile_key -> Tile (tuning.py)
     decode_attention: DecodeAttentionPlan = DecodeAttentionPlan()
