@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import multiprocessing as mp
 import os
@@ -65,9 +66,23 @@ def level_requests(concurrency: int, per_stream: int, length: int) -> list[list[
 
 
 # ---- client ---------------------------------------------------------------------------------------------------------
+# The request's marks, set by _one for httpx's request hook (each stream's requests run in a task of its own)
+_MARKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("marks", default=None)
+
+
+async def _on_request(request) -> None:
+    """httpx's request hook: the client's own work on a request (the openai client's, its event loop's wait) ends
+    here, where httpx hands it to the connection: the part of a request's arrival that the server has no part in."""
+    marks = _MARKS.get()
+    if marks is not None:
+        marks["handed_unix"] = time.time()
+
+
 async def _one(client, model: str, ids: list[int], max_tokens: int) -> dict:
     """One streamed completion through the openai client; a failure is a record with its reason, not a raise."""
     t0, sent_unix = time.perf_counter(), time.time()
+    marks = {}
+    _MARKS.set(marks)
     times, tokens, anatomy_id = [], None, None
     try:
         # the token ids go in extra_body, which the client sends as it is: as `prompt` it walks them one by one
@@ -90,7 +105,7 @@ async def _one(client, model: str, ids: list[int], max_tokens: int) -> dict:
     return {"ttft_s": times[0] - t0, "e2e_s": t1 - t0, "tokens": tokens, "chunks": len(times), "times": times,
             "tpot_s": (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None,
             "itl_s": [b - a for a, b in zip(times, times[1:])], "anatomy_id": anatomy_id, "sent_unix": sent_unix,
-            "start": t0, "end": t1}
+            "handed_unix": marks.get("handed_unix"), "start": t0, "end": t1}
 
 
 def _client_process(url: str, model: str, streams: list[tuple[int, list[list[int]]]], max_tokens: int,
@@ -107,7 +122,8 @@ def _client_process(url: str, model: str, streams: list[tuple[int, list[list[int
     async def main():
         limits = httpx.Limits(max_connections=len(streams) + 4, max_keepalive_connections=len(streams) + 4)
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600,
-                                      http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client:
+                                      http_client=openai.DefaultAsyncHttpxClient(
+                                          limits=limits, event_hooks={"request": [_on_request]})) as client:
             # open every stream's connection (and warm the client's code paths) before the clock starts
             await asyncio.gather(*(client.models.list() for _ in streams))
             await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -319,10 +335,12 @@ def server_view(url: str, records: list[dict], sample: int | None = None, held: 
     (each read has the server build it).
     Beside them, where each client's TTFT went (clients and server on one host, so their wall clocks agree):
     `arrival_ms` and `delivery_ms` around the server's TTFT, as `llm-anatomy bench --anatomy` splits it
-    (bench.join.ttft_split)."""
+    (bench.join.ttft_split), and the arrival itself split where the client handed the request to its connection:
+    `client_send_ms` (the client's own work and its event loop's wait) and `to_server_ms` (the network, the
+    server's accept and parse, its event loop's wait, up to the handler's start)."""
     from llm_anatomy.bench.join import ttft_split
 
-    anatomies, missing, arrival, delivery = [], 0, [], []
+    anatomies, missing, arrival, delivery, client_send, to_server = [], 0, [], [], [], []
     # in the order they finished, as the store rotates them (the clients return theirs stream by stream: the last
     # `held` of that order reach back to each stream's first requests, long rotated out at many streams)
     records = sorted((r for r in records if r.get("anatomy_id")), key=lambda r: r.get("end", 0.0))
@@ -341,8 +359,11 @@ def server_view(url: str, records: list[dict], sample: int | None = None, held: 
             came, went = ttft_split(r["sent_unix"], r["ttft_s"], a)
             arrival += [came] if came is not None else []
             delivery += [went] if went is not None else []
-    split = {f"{name}_ms_p{q}": pct(values, q) for name, values in (("arrival", arrival), ("delivery", delivery))
-             for q in (50, 90)} if arrival else {}
+            if came is not None and r.get("handed_unix") is not None:
+                client_send.append((r["handed_unix"] - r["sent_unix"]) * 1e3)
+                to_server.append(came - client_send[-1])
+    parts = (("arrival", arrival), ("delivery", delivery), ("client_send", client_send), ("to_server", to_server))
+    split = {f"{name}_ms_p{q}": pct(values, q) for name, values in parts if values for q in (50, 90)}
     return {"anatomies": len(anatomies), "anatomies_missing": missing, **summarize_anatomies(anatomies), **split}
 
 
@@ -385,7 +406,7 @@ def render_levels(result: dict) -> str:
     lines = [f"{result['model']}, {result.get('device')}; server start {result['server_start_s']:.0f} s",
              "| shape | streams | output tok/s | bare engine tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
              "ITL p99 ms | mean batch | J/token | all tokens | client processes, busiest CPU | "
-             "client TTFT p50: arrival / server / delivery ms |",
+             "client TTFT p50: arrival (client send + to server) / server / delivery ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lv in result["levels"]:
         t, p = lv["ttft_ms"], lv["tpot_ms"]
@@ -396,7 +417,8 @@ def render_levels(result: dict) -> str:
             f"{fixed(lv['itl_ms'][99], 2)} | {fixed(lv['server'].get('mean_batch'), 1)} | "
             f"{fixed(lv['joules_per_output_token'], 3)} | {lv['all_tokens']} | "
             f"{lv.get('client_processes', '-')}, {fixed(lv.get('client_cpu_max'), 2)} | "
-            f"{fixed(lv['server'].get('arrival_ms_p50'), 1)} / {fixed(lv['server'].get('ttft_ms_p50'), 1)} / "
+            f"{fixed(lv['server'].get('arrival_ms_p50'), 1)} ({fixed(lv['server'].get('client_send_ms_p50'), 1)} + "
+            f"{fixed(lv['server'].get('to_server_ms_p50'), 1)}) / {fixed(lv['server'].get('ttft_ms_p50'), 1)} / "
             f"{fixed(lv['server'].get('delivery_ms_p50'), 1)} |")
     build = result.get("anatomy_build_ms_mean")
     lines += [f"anatomy build (off the step loop): {fixed(build, 1)} ms per call on average; "

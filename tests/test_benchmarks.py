@@ -425,6 +425,12 @@ def test_serve_sweep_splits_the_clients_ttft_around_the_servers(scripts, monkeyp
     view = sweep.server_view("http://server", records)
     assert (view["arrival_ms_p50"], view["arrival_ms_p90"]) == (pytest.approx(120.0), pytest.approx(300.0))
     assert (view["delivery_ms_p50"], view["delivery_ms_p90"]) == (pytest.approx(10.0), pytest.approx(40.0))
+    assert "client_send_ms_p50" not in view  # records without the client's hand-over: the arrival whole
+    # the arrival split where the client handed each request to its connection: 20 + 100 ms and 250 + 50 ms
+    records[0]["handed_unix"], records[1]["handed_unix"] = 1000.020, 2000.250
+    view = sweep.server_view("http://server", records)
+    assert (view["client_send_ms_p50"], view["client_send_ms_p90"]) == (pytest.approx(20.0), pytest.approx(250.0))
+    assert (view["to_server_ms_p50"], view["to_server_ms_p90"]) == (pytest.approx(50.0), pytest.approx(100.0))
 
 
 def test_serve_sweep_runs_the_product_bench_with_the_anatomy_join(scripts, server, tmp_path):
@@ -455,6 +461,9 @@ def test_serve_sweep_level_splits_the_streams_over_client_processes(scripts, ser
     assert len(busy) == 2 and all(0 <= b < 2 for b in busy)
     view = sweep.server_view(server.url, records)  # the fake's anatomies start when their requests arrived
     assert view["anatomies"] == 6 and 0 <= view["arrival_ms_p50"] < 1000
+    # httpx's hook marked each request's hand-over to its connection, after its send and before its arrival
+    assert all(r["sent_unix"] <= r["handed_unix"] for r in records)
+    assert 0 <= view["client_send_ms_p50"] <= view["arrival_ms_p90"] and view["to_server_ms_p50"] is not None
     assert len(sweep.run_level(server.url, "tiny", 1, requests[:2], 3, processes=4)[2]) == 1
     one = {max(os.sched_getaffinity(0))}  # --client-cpus: each client process keeps to them
     records, _, _, ran_on = sweep.run_level(server.url, "tiny", 2, requests[:2], 3, processes=2, cpus=one)
@@ -477,12 +486,13 @@ def test_serve_sweep_table(scripts):
     lines = sweep.render_levels(result).splitlines()
     assert lines[0] == "Qwen/Qwen3-8B, NVIDIA H200; server start 30 s"
     assert lines[3] == ("| 512/256 | 64 | 5294 | 6451 | 653.9 / 1558.9 / 1574.3 | 8.56 / 12.34 / 12.34 | 14.20 | "
-                        "50.0 | 0.116 | True | -, - | - / - / - |")  # written before the clients' CPU was kept
+                        "50.0 | 0.116 | True | -, - | - (- + -) / - / - |")  # written before the clients' CPU was kept
     result["levels"][1].update(client_processes=8, client_cpu_max=0.914,
-                               server={"ttft_ms_p50": 67.04, "arrival_ms_p50": 12.25, "delivery_ms_p50": 448.0})
+                               server={"ttft_ms_p50": 67.04, "arrival_ms_p50": 12.25, "delivery_ms_p50": 448.0,
+                                       "client_send_ms_p50": 2.04, "to_server_ms_p50": 10.1})
     lines = sweep.render_levels(result).splitlines()
     assert lines[4].startswith("| 512/256 | 512 | 5294 | - |")
-    assert lines[4].endswith("| 14.20 | - | - | True | 8, 0.91 | 12.2 / 67.0 / 448.0 |")
+    assert lines[4].endswith("| 14.20 | - | - | True | 8, 0.91 | 12.2 (2.0 + 10.1) / 67.0 / 448.0 |")
     assert lines[5] == "anatomy build (off the step loop): 15.4 ms per call on average; 12 dropped unbuilt"
     assert lines[7] == "llm-anatomy bench at 512 streams, 2000 prompts: exit 0, 14000 tok/s, errors 0"
     # the short table comes last: level, shape, engine (one batch, closed loop) and server tok/s, the ratios, the
