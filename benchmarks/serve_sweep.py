@@ -10,7 +10,8 @@ Clients run in several processes (one Python process parsing thousands of SSE ch
 delay the timestamps; each level reports the busiest one's CPU share). Reported per level: output tokens/s of both
 and their ratio, failed requests and why, TTFT / TPOT / ITL percentiles as the client sees them, and the server's
 own view from a sample of the calls' anatomies (TTFT, batch sizes, queueing, stalls), with each sampled client
-TTFT split into its arrival at the server, the server's TTFT and the first token's way back. `--bench-prompts N`
+TTFT split into its arrival at the server (the client's own send, then the way to the server's handler), the
+server's TTFT and the first token's way back. `--bench-prompts N`
 also runs the product's load generator (`llm-anatomy bench --anatomy`) against the same server at the largest
 level, with each request's TTFT split the same way. The clients share the host with the server unless
 `--server-cpus` and `--client-cpus` keep them apart (as clients on a host of their own would be). A short table
