@@ -339,7 +339,7 @@ def server_view(url: str, records: list[dict], sample: int | None = None, held: 
     (bench.join.ttft_split), and the arrival itself split where the client handed the request to its connection:
     `client_send_ms` (the client's own work and its event loop's wait) and `to_server_ms` (the network, the
     server's accept and parse, its event loop's wait, up to the handler's start)."""
-    from llm_anatomy.bench.join import ttft_split
+    from llm_anatomy.bench.join import arrival_split, ttft_split
 
     anatomies, missing, arrival, delivery, client_send, to_server = [], 0, [], [], [], []
     # in the order they finished, as the store rotates them (the clients return theirs stream by stream: the last
@@ -360,9 +360,9 @@ def server_view(url: str, records: list[dict], sample: int | None = None, held: 
             came, went = ttft_split(r["sent_unix"], r["ttft_s"], a)
             arrival += [came] if came is not None else []
             delivery += [went] if went is not None else []
-            if came is not None and r.get("handed_unix") is not None:
-                client_send.append((r["handed_unix"] - r["sent_unix"]) * 1e3)
-                to_server.append(came - client_send[-1])
+            client, rest = arrival_split(r["sent_unix"], r.get("handed_unix"), came)
+            client_send += [client] if client is not None else []
+            to_server += [rest] if rest is not None else []
     parts = (("arrival", arrival), ("delivery", delivery), ("client_send", client_send), ("to_server", to_server))
     split = {f"{name}_ms_p{q}": pct(values, q) for name, values in parts if values for q in (50, 90)}
     return {"anatomies": len(anatomies), "anatomies_missing": missing, **summarize_anatomies(anatomies), **split}

@@ -322,7 +322,19 @@ def test_anatomy_join(server, tmp_path):
     for row in lv["requests"]:  # the gap by the wall clock: the send to the server's start, then the way back
         assert 0 <= row["arrival_ms"] < 1000
         assert row["arrival_ms"] + row["server_ttft_ms"] + row["delivery_ms"] == pytest.approx(row["client_ttft_ms"])
+        # the arrival cut where the client wrote the request to its connection (aiohttp's trace)
+        assert 0 <= row["client_send_ms"] <= row["arrival_ms"]
+        assert row["client_send_ms"] + row["to_server_ms"] == pytest.approx(row["arrival_ms"])
     assert lv["arrival_ms"]["p50"] is not None and lv["delivery_ms"]["p50"] is not None
+    assert lv["client_send_ms"]["p50"] is not None and lv["to_server_ms"]["p50"] is not None
+
+
+def test_arrival_split_cuts_where_the_client_handed_the_request_over():
+    from llm_anatomy.bench.join import arrival_split
+
+    assert arrival_split(100.0, 100.004, 30.0) == (pytest.approx(4.0), pytest.approx(26.0))
+    assert arrival_split(100.0, None, 30.0) == (None, None)  # no hand-over seen (a failed send): the arrival whole
+    assert arrival_split(None, 100.004, 30.0) == arrival_split(100.0, 100.004, None) == (None, None)
 
 
 @pytest.mark.parametrize("profiler", ["anatomy", "vllm"])

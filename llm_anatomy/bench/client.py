@@ -34,6 +34,8 @@ class RequestResult:
     ok: bool
     start_s: float  # perf_counter when sent
     sent_unix: float | None = None  # the wall clock when sent (set beside an llm-anatomy server's started_at_unix)
+    # the wall clock when its headers went to the connection (aiohttp's trace): the client's own part of the way ends
+    handed_unix: float | None = None
     error: str | None = None  # the reason, when not ok
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -80,7 +82,16 @@ def new_session(connections: int, read_timeout_s: float | None, api_key: str | N
                                      ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
+    handover = aiohttp.TraceConfig()
+    handover.on_request_headers_sent.append(_headers_sent)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, trace_configs=[handover])
+
+
+async def _headers_sent(session, context, params) -> None:
+    """aiohttp's trace as a request's headers are written to its connection: its result (the request's trace
+    context) takes the wall clock. Until then the time is the client's own (its event loop, its connection pool)."""
+    if isinstance(context.trace_request_ctx, RequestResult):
+        context.trace_request_ctx.handed_unix = time.time()
 
 
 class SSEBuffer:
@@ -176,7 +187,7 @@ async def stream_request(session: aiohttp.ClientSession, base_url: str, shape: R
     chunks = 0
     finished = done = False
     try:
-        async with session.post(base_url + shape.path, json=payload) as response:
+        async with session.post(base_url + shape.path, json=payload, trace_request_ctx=result) as response:
             result.anatomy_id = response.headers.get("x-anatomy-id")
             if response.status != 200:
                 result.error = _error_reason(response.status, await response.content.read(4096))

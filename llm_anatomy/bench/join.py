@@ -54,14 +54,26 @@ def ttft_split(sent_unix: float | None, client_ttft_s: float, server: dict) -> t
     return arrival, None if ttft is None else client_ttft_s * 1e3 - arrival - ttft
 
 
+def arrival_split(sent_unix: float | None, handed_unix: float | None,
+                  arrival_ms: float | None) -> tuple[float | None, float | None]:
+    """(client_send_ms, to_server_ms): a request's arrival (ttft_split) cut where the client handed it to its
+    connection. The first part is the client's own (its event loop, its connection pool), the second the network's
+    and the server's (its accept, its HTTP parsing, its event loop) up to the server's start."""
+    if sent_unix is None or handed_unix is None or arrival_ms is None:
+        return None, None
+    client = (handed_unix - sent_unix) * 1e3
+    return client, arrival_ms - client
+
+
 def _row(r: RequestResult, s: dict) -> dict:
-    """One request seen from both sides (ms), its TTFT split as ttft_split says."""
+    """One request seen from both sides (ms), its TTFT split as ttft_split says, its arrival as arrival_split."""
     prefill, batching = s.get("prefill") or {}, s.get("batching") or {}
     arrival, delivery = ttft_split(r.sent_unix, r.ttft_s, s)
+    client_send, to_server = arrival_split(r.sent_unix, r.handed_unix, arrival)
     return {
         "id": s["id"],
         "client_ttft_ms": r.ttft_s * 1e3, "server_ttft_ms": s.get("ttft_ms"),
-        "arrival_ms": arrival, "delivery_ms": delivery,
+        "arrival_ms": arrival, "client_send_ms": client_send, "to_server_ms": to_server, "delivery_ms": delivery,
         "client_e2e_ms": r.e2e_s * 1e3, "server_e2e_ms": s.get("e2e_ms"),
         "queue_ms": s.get("queue_ms"), "prefill_ms": prefill.get("gpu_ms"),
         "prefill_batch_size": prefill.get("batch_size"),
@@ -75,7 +87,8 @@ def joined_view(results: list[RequestResult], summaries: dict[str, dict | str]) 
     """Per request rows and their distributions. `ttft_gap_ms` is client TTFT - server TTFT: the network, HTTP
     and SSE framing, and whatever the server did before its own clock started. It splits into `arrival_ms`
     (before the server's clock started) and `delivery_ms` (after its first token) when the two wall clocks agree:
-    one host, or hosts whose clocks are synchronized well below the figures (a skew shows in both, opposite)."""
+    one host, or hosts whose clocks are synchronized well below the figures (a skew shows in both, opposite); the
+    arrival into `client_send_ms` and `to_server_ms` (arrival_split)."""
     rows, missing = [], Counter()
     for r in results:
         if not r.ok:
@@ -98,6 +111,8 @@ def joined_view(results: list[RequestResult], summaries: dict[str, dict | str]) 
         "server_ttft_ms": distribution_ms(values("server_ttft_ms")),
         "ttft_gap_ms": distribution_ms(gaps),
         "arrival_ms": distribution_ms(values("arrival_ms")),
+        "client_send_ms": distribution_ms(values("client_send_ms")),
+        "to_server_ms": distribution_ms(values("to_server_ms")),
         "delivery_ms": distribution_ms(values("delivery_ms")),
         "queue_ms": distribution_ms(values("queue_ms")),
         "prefill_ms": distribution_ms(values("prefill_ms")),

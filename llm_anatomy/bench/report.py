@@ -110,6 +110,9 @@ def _rows(run: BenchRun) -> list[Row]:
         ("anatomy", "of it: send to received / first token back, p50 (ms)", lambda lv: "-" if not lv.get("anatomy")
          or lv["anatomy"].get("arrival_ms", {}).get("p50") is None else
          f"{fmt(lv['anatomy']['arrival_ms']['p50'])} / {fmt(lv['anatomy']['delivery_ms']['p50'])}"),
+        ("anatomy", "send to received: the client's / the way to the server, p50 (ms)", lambda lv: "-"
+         if not lv.get("anatomy") or (lv["anatomy"].get("client_send_ms") or {}).get("p50") is None else
+         f"{fmt(lv['anatomy']['client_send_ms']['p50'])} / {fmt(lv['anatomy']['to_server_ms']['p50'])}"),
         ("anatomy", "queue p50 / p99 (ms)", lambda lv: "-" if not lv.get("anatomy") else
          f"{fmt(lv['anatomy']['queue_ms']['p50'])} / {fmt(lv['anatomy']['queue_ms']['p99'])}"),
         ("anatomy", "prefill p50 (ms)", f("anatomy.prefill_ms.p50")),
