@@ -72,8 +72,8 @@ _MARKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("marks", de
 
 
 async def _on_request(request) -> None:
-    """httpx's request hook: the client's own work on a request (the openai client's, its event loop's wait) ends
-    here, where httpx hands it to the connection: the part of a request's arrival that the server has no part in."""
+    """httpx's request hook, run as httpx starts sending a built request: the client's own work on it (the openai
+    client's, its event loop's wait) ends here, the part of its arrival that the server has no part in."""
     marks = _MARKS.get()
     if marks is not None:
         marks["handed_unix"] = time.time()
