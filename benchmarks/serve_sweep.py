@@ -579,7 +579,8 @@ def run_bench(url: str, args, out: Path) -> dict:
         found.update({k: level.get(k) for k in ("output_tok_s", "requests", "errors", "ttft_ms", "tpot_ms")})
         joined = level.get("anatomy") or {}  # where the client's TTFT goes beside the server's (same host)
         found["anatomy"] = {k: joined.get(k) for k in ("joined", "missing", "server_ttft_ms", "ttft_gap_ms",
-                                                       "arrival_ms", "delivery_ms")}
+                                                       "arrival_ms", "client_send_ms", "to_server_ms",
+                                                       "delivery_ms")}
     return found
 
 

@@ -443,6 +443,7 @@ def test_serve_sweep_runs_the_product_bench_with_the_anatomy_join(scripts, serve
     assert found["exit"] == 0, found["stderr_tail"]
     assert found["requests"] == 4 and found["concurrency"] == 2 and found["anatomy"]["joined"] == 4
     assert 0 <= found["anatomy"]["arrival_ms"]["p50"] < 1000 and found["anatomy"]["delivery_ms"]["p50"] is not None
+    assert found["anatomy"]["client_send_ms"]["p50"] >= 0 and found["anatomy"]["to_server_ms"]["p50"] is not None
 
 
 def test_serve_sweep_level_splits_the_streams_over_client_processes(scripts, server, monkeypatch):
