@@ -325,8 +325,8 @@ def test_the_engine_never_imports_the_probe():
 
 def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine, monkeypatch):
     """A profiled (eager) decode step must run the attention the CUDA graphs run: the plan's short-context splits
-    and tile for one sequence up to its short_context, its long_splits beyond it, the default splits over
-    batch_block_n-token tiles for batches, nothing for prefills."""
+    and tile for one sequence up to its short_context (in one kernel with the QK-norm and RoPE), its long_splits
+    beyond it, the default splits over batch_block_n-token tiles for batches, nothing for prefills."""
     from dataclasses import replace
 
     from llm_anatomy.engine.plan import DecodeAttentionPlan
@@ -340,7 +340,7 @@ def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine,
     def recording(batch, ahead=None):
         attn = runner.prepare(batch, None if ahead is None else ahead.offsets)[2]
         seen.append((batch.is_prefill, len(batch.seqs), int(attn.context_lens.max()), attn.decode_splits,
-                     attn.decode_block_n))
+                     attn.decode_block_n, attn.decode_counts is not None))
         return run(batch, ahead)
 
     monkeypatch.setattr(runner, "run", recording)
@@ -348,10 +348,11 @@ def test_eager_decode_picks_the_short_context_attention_as_the_graphs_do(engine,
     greedy(engine, [3, 1, 4], max_tokens=6)
     engine.generate_many([[3, 1, 4], [1, 5]], temperature=0, max_tokens=3, ignore_eos=True)
     short = (attention.short_splits, attention.short_block_n)
-    for is_prefill, n, longest, splits, block_n in seen:
+    for is_prefill, n, longest, splits, block_n, one_kernel in seen:
         want = (None, None) if is_prefill else short if n == 1 and longest <= 6 else \
             (attention.long_splits, None) if n == 1 else (None, attention.batch_block_n)
         assert (splits, block_n) == want
+        assert one_kernel == (not is_prefill and n == 1 and longest <= 6)  # QK-norm, RoPE and attention in one
     assert {s[3] for s in seen if not s[0]} == {attention.short_splits, attention.long_splits, None}
 
 

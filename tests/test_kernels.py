@@ -190,6 +190,46 @@ def test_paged_decode_attention_merges_heads_in_pieces():
     assert rel(out, decode_attention(q, k_cache, v_cache, tables, lens)) < TOL[torch.float32]
 
 
+CACHES = [None, torch.float8_e4m3fn] if DEVICE.type == "cuda" else [None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", CACHES)  # None: the model's dtype
+@pytest.mark.parametrize("splits,block_n", [(1, 16), (3, 16), (16, 16), (4, 64)])  # 3 x 16: several tiles a split
+def test_rope_decode_attention_is_rope_then_decode_attention(dtype, cache_dtype, splits, block_n):
+    """One kernel for QK-norm, RoPE, the new token's store, the split attention and the merge gives the outputs
+    and the cache of qk_norm_rope_store then paged_decode_attention; its counts end at zero, ready for the next."""
+    from llm_anatomy.kernels.decode_attention import rope_decode_attention
+
+    heads, kv_heads, d, page, pages, eps = 8, 2, 32, 4, 40, 1e-6
+    rotary = _rotary(heads, kv_heads, d)
+    cache_dtype = cache_dtype or dtype
+    caches = [(rand(pages, page, kv_heads, d, dtype=dtype).to(cache_dtype),
+               rand(pages, page, kv_heads, d, dtype=dtype, seed=1).to(cache_dtype)) for _ in range(2)]
+    perm = torch.randperm(pages, generator=torch.Generator().manual_seed(0))
+    context = [1, 37, 100, 0]  # 0: a padded row of a graph batch
+    tables = torch.zeros(4, 25, dtype=torch.int32)
+    tables[0, :1], tables[1, :10], tables[2, :25] = perm[:1], perm[1:11], perm[11:36]
+    slots = [int(tables[i, (n - 1) // page]) * page + (n - 1) % page for i, n in enumerate(context[:3])] + [-1]
+    tables, lens = tables.to(DEVICE), torch.tensor(context, dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([max(n - 1, 0) for n in context], device=DEVICE)
+    slots = torch.tensor(slots, device=DEVICE)
+    qkv = rand(4, (heads + 2 * kv_heads) * d, dtype=dtype, seed=2)
+    qn, kn = rand(d, dtype=dtype, seed=3), rand(d, dtype=dtype, seed=4)
+    common = (heads, kv_heads, d, qn, kn, eps, rotary.cos, rotary.sin, positions, slots)
+    q = qk_norm_rope_store(qkv, *common, *caches[0])
+    ref = paged_decode_attention(q, *caches[0], tables, lens, 1 / math.sqrt(d), splits=splits, block_n=block_n)
+    counts = torch.zeros(4 * kv_heads, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the counts reset themselves: a second launch merges as the first
+        out = rope_decode_attention(qkv, *common, *caches[1], tables, lens, counts, 1 / math.sqrt(d), splits, block_n)
+        assert rel(out[:3], ref[:3]) < TOL[dtype] and out[3].abs().sum() == 0
+        assert torch.equal(counts, torch.zeros_like(counts))
+    with pytest.raises(ValueError, match="int32"):
+        rope_decode_attention(qkv, *common, *caches[1], tables, lens, counts.long(), 1 / math.sqrt(d), splits, block_n)
+    for ours, theirs in zip(caches[1], caches[0]):  # the new tokens stored alike, nothing else written
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv(rows, dtype):

@@ -172,6 +172,8 @@ class GraphRunner:
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        # the short graph's one-kernel attention counts (AttentionBatch.decode_counts), this engine's own
+        self.attention_counts = torch.zeros(model.config.num_key_value_heads, dtype=torch.int32, device=dev)
         self.block_tables = BlockTableRows(n, width, dev)
         # Pinned staging, double-buffered: a step's inputs may still be in flight when the next is prepared.
         self._stage = torch.zeros(2, 3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
@@ -194,8 +196,9 @@ class GraphRunner:
             self.decode_graphs[b] = self._capture(self._decode_forward(plan, b, splits, block_n,
                                                                        short.uses_fp8_cuda(b, short.short_context + 1)))
             if b == 1:
-                self.short_graphs[b] = self._capture(self._decode_forward(plan, b, short.short_splits,
-                                                                          short.short_block_n))
+                self.short_graphs[b] = self._capture(self._decode_forward(
+                    plan, b, short.short_splits, short.short_block_n,
+                    counts=self.attention_counts if short.rope_attention(b, short.short_context) else None))
         if max_prefill_tokens > 0:
             self._capture_prefill(plan, max_prefill_tokens)
             cfg = self.model.config  # (an engine of one sequence a step never prefills two prompts together)
@@ -225,11 +228,12 @@ class GraphRunner:
         return graph, out
 
     def _decode_forward(self, plan: ExecutionPlan, b: int, splits: int | None = None, block_n: int | None = None,
-                        fp8_cuda: bool = False):
+                        fp8_cuda: bool = False, counts: torch.Tensor | None = None):
         """The batch-b decode step over the fixed buffers (attention as the arguments say), logits out."""
         tables = self.block_tables.device_rows[:b]
         batch = AttentionBatch(self.pool.k, self.pool.v, self.slots[:b], False, tables, self.lens[:b],
-                               decode_splits=splits, decode_block_n=block_n, decode_fp8_cuda=fp8_cuda)
+                               decode_splits=splits, decode_block_n=block_n, decode_fp8_cuda=fp8_cuda,
+                               decode_counts=counts)
         return lambda: self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], batch, plan), plan)
 
     def _capture_prefill(self, plan: ExecutionPlan, max_tokens: int) -> None:

@@ -32,16 +32,24 @@ class DecodeAttentionPlan:
     tiles. An fp8 cache is read by the CUDA kernel (`fp8_cuda`, kernels/fp8_decode_attention.py) where the
     device has one, except at batch 1's short contexts (where the Triton kernel makes the shorter step, both
     launched early): its splits are a warp each, so at batch 1 it takes its own default (a warp-sized count, not
-    long_splits). The figures that chose these are in benchmarks/README.md."""
+    long_splits). With `short_rope_attention`, batch 1's short contexts (the short CUDA graph) take the QK-norm,
+    RoPE and the new token's store, the split attention and the merge in one kernel
+    (decode_attention.rope_decode_attention) rather than three. The figures that chose these are in
+    benchmarks/README.md."""
     short_context: int = 2048
     short_splits: int = 16
     short_block_n: int = 64
     long_splits: int = 48
     batch_block_n: int = 64
     fp8_cuda: bool = False
+    short_rope_attention: bool = True
 
     def is_short(self, batch_size: int, longest_context: int) -> bool:
         return batch_size == 1 and longest_context <= self.short_context
+
+    def rope_attention(self, batch_size: int, longest_context: int) -> bool:
+        """Whether a decode step's QK-norm, RoPE, store and attention run as one kernel (short_rope_attention)."""
+        return self.short_rope_attention and self.is_short(batch_size, longest_context)
 
     def uses_fp8_cuda(self, batch_size: int, longest_context: int) -> bool:
         """Whether a decode step's attention over an fp8 cache runs the CUDA kernel (else Triton's)."""

@@ -28,6 +28,8 @@ class ModelRunner:
         self._eager = False  # see eager()
         self._pinned: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}  # see _upload
         self._turns = {"step": 0, "ahead": 0, "groups": 0}  # which of a slot's two buffers is next (see _upload)
+        # the one-kernel attention's counts (AttentionBatch.decode_counts) for the eager steps that take it
+        self.attention_counts = torch.zeros(model.config.num_key_value_heads, dtype=torch.int32, device=device)
 
     @contextlib.contextmanager
     def eager(self):
@@ -123,6 +125,8 @@ class ModelRunner:
             context_lens=ints[:seqs],
             query_lens=tuple(batch.query_lens), prefix_lens=tuple(prefix_lens), num_decodes=batch.num_decodes,
             decode_splits=splits, decode_block_n=block_n,
+            decode_counts=None if batch.is_prefill or not self.plan.decode_attention.rope_attention(seqs, longest)
+            else self.attention_counts,
             decode_fp8_cuda=self.plan.decode_attention.uses_fp8_cuda(batch.num_decodes if batch.is_prefill else seqs,
                                                                     longest),
             upload=self._upload_groups,

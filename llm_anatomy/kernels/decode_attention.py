@@ -14,9 +14,11 @@ cast past the staging in shared memory: V, the dot's transposed operand, is then
 each value goes to bf16 by way of fp16 (benchmarks/README.md). fp16 holds a bf16 query exactly down to 6e-5 and up
 to 65504 (Qwen3's queries are RMS-normalised: far inside), and the probabilities with more bits than bf16.
 
-(Two alternatives measured slower in the decode step, benchmarks/README.md: merging in the split kernel's
-last-arriving program through an atomic counter, which saves a launch but makes the merge a serial chain of
-loads; and a split kernel in CUDA C++ that reads the cache before its PDL wait.)
+Batch 1's short contexts take one kernel instead of three (rope_decode_attention): rope.py's QK-norm, RoPE and
+store, the split kernel and the merge, straight from the qkv product. A decode step's attention is then one
+dependent wait between the qkv and o_proj GEMVs rather than three; each split reads its first tile before its
+wait, and the last split of each KV head to finish (an atomic count) merges the partials, all heads of its group
+in one set of loads (benchmarks/README.md has the measured steps).
 """
 
 import torch
@@ -25,11 +27,15 @@ import triton.language as tl
 
 from . import interpreted, sm_count
 from .pdl import gdc_enter
+from .rope import _cache_value, norm_rotate
 
 # Tile and pipelining for long contexts, where the attention's bytes matter (benchmarks/README.md); the short
 # graph takes its own tile (DecodeAttentionPlan.short_block_n). Any config is correct.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
 FP8_STAGES = 3  # an fp8 cache's 128-token tiles (half a bf16 tile's bytes): one more in flight
+# rope_decode_attention: a program's first tile is read before its wait, the rest (contexts past a tile a split)
+# one at a time; 8 warps made batch 1's step shorter than 4 (benchmarks/README.md)
+ROPE_ATTENTION_WARPS = 8
 
 
 def merge_warps(splits_pad: int, d_block: int) -> int:
@@ -82,21 +88,29 @@ def _fp8_tile(ptr, offs, slot, head_offset, valid, stride_slot, HEAD_DIM: tl.con
 
 
 @triton.jit
-def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot, stride_head,
-                 page_size, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-                 WORDS: tl.constexpr):
+def _kv_tile(k_ptr, v_ptr, table_ptr, b, kvh, n0, end, stride_tb, stride_slot, stride_head, page_size,
+             dtype: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+             WORDS: tl.constexpr):
+    """Keys and values of tokens n0 .. n0 + BLOCK_N (those before `end`; zeros past it) through the block table,
+    [BLOCK_N, HEAD_DIM] each, in the dtype of the dots (an fp8 cache's as fp16, scale 1: rope.py)."""
     d = tl.arange(0, HEAD_DIM)
     tok = n0 + tl.arange(0, BLOCK_N)
     valid = tok < end
     page = tl.load(table_ptr + b * stride_tb + tok // page_size, mask=valid, other=0)
     slot = page.to(tl.int64) * page_size + tok % page_size
     offs = slot[:, None] * stride_slot + kvh * stride_head + d[None, :]
-    if FP8:  # scale 1 (rope.py); q is fp16 already (the split kernel)
+    if FP8:
         k = _fp8_tile(k_ptr, offs, slot, kvh * stride_head, valid, stride_slot, HEAD_DIM, BLOCK_N, WORDS)
         v = _fp8_tile(v_ptr, offs, slot, kvh * stride_head, valid, stride_slot, HEAD_DIM, BLOCK_N, WORDS)
     else:
-        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(dtype)
+        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(dtype)
+    return k, v
+
+
+@triton.jit
+def _attend(q, k, v, valid, m, l, acc, scale, IEEE: tl.constexpr):
+    """The online softmax's step over one tile: scores of the valid tokens, (max, sum, accumulator) updated."""
     if IEEE:  # float32 caches: exact products, not TF32
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
@@ -111,6 +125,15 @@ def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, 
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l, acc
+
+
+@triton.jit
+def _attend_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, n0, end, m, l, acc, scale, stride_tb, stride_slot, stride_head,
+                 page_size, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                 WORDS: tl.constexpr):
+    k, v = _kv_tile(k_ptr, v_ptr, table_ptr, b, kvh, n0, end, stride_tb, stride_slot, stride_head, page_size,
+                    q.dtype, HEAD_DIM, BLOCK_N, FP8, WORDS)
+    return _attend(q, k, v, n0 + tl.arange(0, BLOCK_N) < end, m, l, acc, scale, IEEE)
 
 
 @triton.jit
@@ -195,6 +218,158 @@ def _decode_attention_merge_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob,
     total = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _rotated_heads(row_ptr, first, qn_ptr, cos, sin, eps, NH: tl.constexpr, NH_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads first .. first + NH of a qkv row, QK-normed and rotated as rope.py's kernel does (norm_rotate):
+    [NH_PAD, HEAD_DIM] in the model dtype, padded heads zero."""
+    half: tl.constexpr = HEAD_DIM // 2
+    dh = tl.arange(0, half)
+    g = tl.arange(0, NH_PAD)
+    cols = (first + g) * HEAD_DIM
+    gmask = (g < NH)[:, None]
+    x1 = tl.load(row_ptr + cols[:, None] + dh[None, :], mask=gmask, other=0.0)
+    x2 = tl.load(row_ptr + cols[:, None] + half + dh[None, :], mask=gmask, other=0.0)
+    w1 = None
+    w2 = None
+    if HAS_NORM:
+        w1 = tl.load(qn_ptr + dh).to(tl.float32)[None, :]
+        w2 = tl.load(qn_ptr + half + dh).to(tl.float32)[None, :]
+    o1, o2 = norm_rotate(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    # the halves side by side: join gives [NH_PAD, half, 2]; its last two axes swapped, flattened
+    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), [NH_PAD, HEAD_DIM])
+
+
+@triton.jit(do_not_specialize=["stride_tb", "splits"],
+            do_not_specialize_on_alignment=["table_ptr", "ctx_ptr", "pos_ptr", "slot_ptr"])
+def _rope_decode_attention_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, pos_ptr, slot_ptr, qn_ptr, kn_ptr,
+                                  cos_ptr, sin_ptr, acc_ptr, ml_ptr, count_ptr, out_ptr, scale, eps, stride_qkv,
+                                  stride_ob, stride_oh, stride_tb, stride_slot, stride_head, n_heads, n_kv_heads,
+                                  page_size, splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                                  HAS_NORM: tl.constexpr, FP8: tl.constexpr, WORDS: tl.constexpr,
+                                  GROUP_P2: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    half: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    g = tl.arange(0, GROUP_PAD)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    ctx = tl.load(ctx_ptr + b)
+    per_split = _split_len(ctx, splits, BLOCK_N)
+    start = s * per_split
+    end = tl.minimum(start + per_split, ctx)
+    if start < ctx:
+        newest = ctx - 1  # this step's token: its key and value come from the qkv row, not from the cache
+        dtype = qkv_ptr.dtype.element_ty
+        tile_dtype: tl.constexpr = tl.float16 if FP8 else dtype
+        # The cache before this step is not the kernel before's output: its first tile is read while that one ends
+        k, v = _kv_tile(k_ptr, v_ptr, table_ptr, b, kvh, start, tl.minimum(end, newest), stride_tb, stride_slot,
+                        stride_head, page_size, tile_dtype, HEAD_DIM, BLOCK_N, FP8, WORDS)
+        pos = tl.load(pos_ptr + b)
+        table = pos.to(tl.int64) * half + tl.arange(0, half)[None, :]
+        cos = tl.load(cos_ptr + table)
+        sin = tl.load(sin_ptr + table)
+        gdc_enter(USE_PDL, LAUNCH_FIRST=True)  # see pdl.py
+        row = qkv_ptr + b * stride_qkv
+        q = _rotated_heads(row, kvh * GROUP, qn_ptr, cos, sin, eps, GROUP, GROUP_PAD, HEAD_DIM, HAS_NORM)
+        k_new = _rotated_heads(row, n_heads + kvh, kn_ptr, cos, sin, eps, 1, 1, HEAD_DIM, HAS_NORM)
+        v_new = tl.load(row + (n_heads + n_kv_heads + kvh) * HEAD_DIM + d)[None, :]
+        # as the cache holds them (an fp8 cache rounds: the dots take the stored values, as the next steps will)
+        k_new = _cache_value(k_new, k_ptr)
+        v_new = _cache_value(v_new, v_ptr)
+        if end == ctx:  # this split holds the new token: it stores its key and value for the steps after
+            slot = tl.load(slot_ptr + b)
+            if slot >= 0:
+                dst = slot.to(tl.int64) * stride_slot + kvh * stride_head + d[None, :]
+                tl.store(k_ptr + dst, k_new)
+                tl.store(v_ptr + dst, v_new)
+        q = q.to(tile_dtype)
+        k_new = k_new.to(tile_dtype)
+        v_new = v_new.to(tile_dtype)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        tok = start + tl.arange(0, BLOCK_N)
+        is_new = (tok == newest)[:, None]
+        m, l, acc = _attend(q, tl.where(is_new, k_new, k), tl.where(is_new, v_new, v), tok < end, m, l, acc, scale,
+                            IEEE)
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):  # contexts past a tile a split
+            k, v = _kv_tile(k_ptr, v_ptr, table_ptr, b, kvh, n0, tl.minimum(end, newest), stride_tb, stride_slot,
+                            stride_head, page_size, tile_dtype, HEAD_DIM, BLOCK_N, FP8, WORDS)
+            tok = n0 + tl.arange(0, BLOCK_N)
+            is_new = (tok == newest)[:, None]
+            m, l, acc = _attend(q, tl.where(is_new, k_new, k), tl.where(is_new, v_new, v), tok < end, m, l, acc,
+                                scale, IEEE)
+        base = (b * n_kv_heads * GROUP + heads) * splits + s
+        tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+        tl.store(ml_ptr + base * 2, m, mask=gmask)
+        tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
+        # The last split of this (sequence, KV head) to finish merges them all, as the merge kernel does: the
+        # barrier, then the count's release, order this program's stores before it; the acquire orders the last
+        # one's loads (from L2) after every other's. Its group's heads in one set of loads: a load per head, one
+        # after the other, made the step slower than the merge kernel (benchmarks/README.md).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + b * n_kv_heads + kvh, 1, sem="acq_rel", scope="gpu")
+        used = _splits_used(ctx, splits, BLOCK_N)
+        if arrived == used - 1:
+            tl.atomic_xchg(count_ptr + b * n_kv_heads + kvh, 0, sem="relaxed", scope="gpu")  # for the next launch
+            j = tl.arange(0, GROUP_P2)
+            sp = tl.arange(0, SPLITS_PAD)
+            jm = (j < GROUP)[:, None] & (sp < used)[None, :]
+            hb = (b * n_kv_heads * GROUP + kvh * GROUP + j)[:, None] * splits + sp[None, :]  # [GROUP_P2, SPLITS_PAD]
+            pm = tl.load(ml_ptr + hb * 2, mask=jm, other=float("-inf"), cache_modifier=".cg")
+            pl = tl.load(ml_ptr + hb * 2 + 1, mask=jm, other=0.0, cache_modifier=".cg")
+            pa = tl.load(acc_ptr + hb[:, :, None] * HEAD_DIM + d[None, None, :], mask=jm[:, :, None], other=0.0,
+                         cache_modifier=".cg")
+            m_all = tl.max(pm, axis=1)
+            w = tl.where(pm > float("-inf"), tl.exp(pm - m_all[:, None]), 0.0)  # empty splits weigh nothing
+            o = tl.sum(pa * w[:, :, None], axis=1) / tl.maximum(tl.sum(pl * w, axis=1), 1e-30)[:, None]
+            tl.store(out_ptr + b * stride_ob + (kvh * GROUP + j)[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=(j < GROUP)[:, None])
+    elif s == 0:  # a padded row (no context): zeros, as the merge gives it
+        zeros = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], zeros, mask=gmask[:, None])
+
+
+def rope_decode_attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+                          q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                          sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                          counts: torch.Tensor, scale: float, splits: int, block_n: int, pdl: bool = False
+                          ) -> torch.Tensor:
+    """A decode step's attention from the qkv product's rows [B, (H + 2 KVH) x D] in one kernel: each split
+    QK-norms and rotates its group's queries and this step's key (rope.py's arithmetic), the split holding the new
+    token stores its key and value in the cache, each attends its range of the context as paged_decode_attention's
+    split kernel does (the new token's key and value from the row, as the cache holds them; the rest from the
+    cache, the first tile read before the PDL wait), and the last split of each (sequence, KV head) to finish merges
+    their partials as its merge kernel does. The arguments after the first are qk_norm_rope_store's and
+    paged_decode_attention's; `counts`: int32 [B x KVH] at zero, left at zero (the last split resets its count), one
+    set per stream that runs this kernel. Returns [B, H, D]; a padded row (no context) gets zeros."""
+    batch = qkv.shape[0]
+    group = n_heads // n_kv_heads
+    if counts.dtype != torch.int32 or counts.numel() < batch * n_kv_heads:
+        raise ValueError(f"counts must be int32 with at least {batch * n_kv_heads} elements")
+    out = torch.empty(batch, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    acc = torch.empty(batch * n_heads * splits * head_dim, dtype=torch.float32, device=qkv.device)
+    ml = torch.empty(batch * n_heads * splits * 2, dtype=torch.float32, device=qkv.device)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn and qkv.dtype != torch.float32  # a float32 row: exact float32 dots
+    words = (fp8 and not interpreted() and head_dim % 4 == 0 and k_cache.stride(1) % 4 == 0
+             and k_cache.stride(2) % 4 == 0 and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
+    has_norm = q_norm is not None
+    _rope_decode_attention_kernel[(batch, n_kv_heads, splits)](
+        qkv, k_cache, v_cache, block_tables, context_lens, positions, slot_mapping, q_norm if has_norm else qkv,
+        k_norm if has_norm else qkv, cos, sin, acc, ml, counts, out, scale, eps, qkv.stride(0), out.stride(0),
+        out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_heads, n_kv_heads,
+        k_cache.shape[1], splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=block_n, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HAS_NORM=has_norm, FP8=fp8, WORDS=words,
+        GROUP_P2=triton.next_power_of_2(group), IEEE=qkv.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=ROPE_ATTENTION_WARPS, num_stages=1)
+    return out
 
 
 def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:

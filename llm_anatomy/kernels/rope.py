@@ -29,6 +29,22 @@ def _cache_value(x, cache_ptr):
     return x.to(cache_ptr.dtype.element_ty)
 
 
+@triton.jit
+def norm_rotate(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads given as their halves (x1, x2: [rows, HEAD_DIM // 2], the model dtype) RMS-normalised over the head,
+    times the norm's weight halves (w1, w2: float32 [1, HEAD_DIM // 2]; Qwen3's QK-norm), each step rounded to the
+    dtype as HF rounds it, then rotated (rotate-half) by cos and sin: the result's two halves, in the dtype. This
+    kernel and the decode attention that does this work itself (decode_attention.rope_decode_attention) share it."""
+    dtype = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)[:, None]
+        a = ((a * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        b = ((b * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return (a * cos - b * sin).to(dtype), (b * cos + a * sin).to(dtype)
+
+
 # The token count and the index vectors' addresses change with every prompt (an odd-length prompt's positions
 # sit 8 bytes off 16); specialising on them compiled a new kernel, 0.3-0.5 s, at new prompt lengths.
 @triton.jit(do_not_specialize=["tokens", "rows"], do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
@@ -50,25 +66,18 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_o
     base = qkv_ptr + t.to(tl.int64)[:, None] * stride_qkv + col + d[None, :]
     x1 = tl.load(base, mask=tmask[:, None], other=0.0)
     x2 = tl.load(base + half, mask=tmask[:, None], other=0.0)
-    dtype = x1.dtype
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
+    w1 = None
+    w2 = None
     if HAS_NORM:
-        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)[:, None]
         if is_q:
             w1 = tl.load(qn_ptr + d).to(tl.float32)[None, :]
             w2 = tl.load(qn_ptr + half + d).to(tl.float32)[None, :]
         else:
             w1 = tl.load(kn_ptr + d).to(tl.float32)[None, :]
             w2 = tl.load(kn_ptr + half + d).to(tl.float32)[None, :]
-        a = ((a * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        b = ((b * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     pos = tl.load(pos_ptr + t, mask=tmask, other=0)
     table = pos.to(tl.int64)[:, None] * half + d[None, :]
-    cos = tl.load(cos_ptr + table)
-    sin = tl.load(sin_ptr + table)
-    o1 = (a * cos - b * sin).to(dtype)
-    o2 = (b * cos + a * sin).to(dtype)
+    o1, o2 = norm_rotate(x1, x2, w1, w2, tl.load(cos_ptr + table), tl.load(sin_ptr + table), eps, HEAD_DIM, HAS_NORM)
     if is_q:
         out = q_out_ptr + t.to(tl.int64)[:, None] * stride_qo + h * HEAD_DIM + d[None, :]
         tl.store(out, _cache_value(o1, q_out_ptr), mask=omask[:, None])

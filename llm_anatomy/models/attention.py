@@ -35,6 +35,9 @@ class AttentionBatch:
     decode_block_n: int | None = None
     # an fp8 cache's decode attention in the CUDA kernel (DecodeAttentionPlan.uses_fp8_cuda)
     decode_fp8_cuda: bool = False
+    # A decode step's QK-norm, RoPE, store, attention and merge in one kernel (rope_decode_attention), its
+    # splits counting into these (int32, a sequence's KV heads each, zero between launches); None: three kernels
+    decode_counts: torch.Tensor | None = None
     # Host-to-device copy of fresh_groups' indices (the runner's pinned upload: from pageable memory a copy waits
     # for the step in flight); None: a plain copy
     upload: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)

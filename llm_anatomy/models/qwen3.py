@@ -22,7 +22,7 @@ try:  # the fast path's kernels; without Triton the model runs the PyTorch path 
     from ..kernels import fp8_decode_attention as fp8_attention
     from ..kernels import gemv, matmul, norm, stream_gemv
     from ..kernels.activation import silu_mul
-    from ..kernels.decode_attention import paged_decode_attention
+    from ..kernels.decode_attention import paged_decode_attention, rope_decode_attention
     from ..kernels.rope import qk_norm_rope_store
 except ImportError:
     pass
@@ -264,6 +264,15 @@ class Attention(nn.Module):
         prompt the plan attends in fp8 gets its output as quant.Fp8Rows. Without `attends`, the store alone (None);
         with `last_row` (attention.attends_last_row_alone), the last row's output alone, [1, heads, head_dim]."""
         k_cache, v_cache = batch.k_cache[self.layer_idx], batch.v_cache[self.layer_idx]
+        if batch.decode_counts is not None and not batch.is_prefill:
+            # batch 1's short contexts (the short graph): QK-norm, RoPE, the store, the attention and its merge in
+            # one kernel, one dependent wait between the qkv and o_proj GEMVs rather than three
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            return rope_decode_attention(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norms, rotary.cos,
+                                         rotary.sin, positions, batch.slot_mapping, k_cache, v_cache,
+                                         batch.block_tables, batch.context_lens, batch.decode_counts,
+                                         self.head_dim ** -0.5, batch.decode_splits, batch.decode_block_n,
+                                         pdl=plan.pdl)
         fp8_rows = fp8_prefill_rows(batch) if plan.fp8_prefill_attention and attends and not last_row else None
         out = qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                  self.q_norm.weight if self.qk_norm else None,
