@@ -35,6 +35,10 @@ def test_plan_fits_a_hopper_block_and_stages_are_whole():
     assert sg.rows_per_stage(4096, 4096, False) == 4 and sg.rows_per_stage(12288, 4096, True) == 2
     assert sg.rows_per_stage(4096, 4096, False, 1) == 16 and sg.rows_per_stage(4096, 12288, False, 1) == 4
     assert sg.rows_per_stage(2560, 2560, False) == 5  # 6 fit, 5 divide
+    for n, k in ((6144, 4096), (2560 + 2 * 1024, 2560), (8192 + 2 * 1024, 5120)):  # 8B's, 4B's and 14B's qkv
+        # fp8 qkv's ring before the attention: at least two stages, and the attention kernel's 36 KB beside it
+        stages, shared = sg.plan(n, k, False, 132, 1, sg.RING_BEFORE_ATTENTION)
+        assert stages >= 2 and shared + 1024 + 36 * 1024 + 1024 <= 228 * 1024
 
 
 def test_a_stage_is_read_in_whole_16_byte_copies():
@@ -270,6 +274,12 @@ def test_fp8_weights_match_their_dequantized_product(n, k, gated, normed, stream
     assert y.dtype == torch.bfloat16 and y.shape == (1, n)
     assert ((y.float() - want).norm() / want.norm()).item() < 1e-2
     assert torch.equal(sg.stream_gemv(x, w8, gated, norm=norm, scale=scale), y)  # the same bits every run
+    if normed:  # the residual stream's new copy is written anew
+        new_residual.zero_()
+    # qkv's smaller ring before the attention: the same sums, the same bits
+    assert torch.equal(sg.stream_gemv(x, w8, gated, norm=norm, scale=scale, before_attention=True), y)
+    if normed:
+        assert torch.equal(new_residual, summed.bfloat16())
     with pytest.raises(ValueError, match="per-row scale"):
         sg.stream_gemv(x, w8, gated)
 

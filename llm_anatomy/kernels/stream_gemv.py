@@ -49,6 +49,11 @@ STAGE_BYTES = {2: 32 * 1024, 1: 64 * 1024}
 # from its start: batch-1 TPOT 0.8% shorter for fp8 weights and bf16 alike (benchmarks/README.md).
 COPIES = 4
 RING_BYTES = 192 * 1024  # leaves the small kernels between GEMVs room to stay resident beside a block
+# The ring of fp8 qkv weights before the one-kernel attention (`before_attention`): that kernel
+# (decode_attention.rope_decode_attention, 36 KB of shared memory) is then resident beside the GEMV's block and reads
+# its first tile of the cache during the GEMV. Measured with fp8 weights (benchmarks/README.md); bf16 weights keep
+# RING_BYTES (not measured).
+RING_BEFORE_ATTENTION = 128 * 1024
 SHARED_LIMIT = 227 * 1024  # a Hopper block's opt-in maximum
 # x stays in registers (128 floats a consumer thread at most). Below 2048 columns (Qwen3-0.6B) the products are
 # too small to fill a block per multiprocessor, and were not measured: the Triton GEMV keeps them.
@@ -366,8 +371,9 @@ def source(n: int, k: int, gated: bool, normed: bool = False, weight_bytes: int 
                      "FP8": int(weight_bytes == 1), "SEGS": segs, "WPW": wpw}
 
 
-def plan(n: int, k: int, gated: bool, blocks: int, weight_bytes: int = 2) -> tuple[int, int]:
-    """(ring stages, shared bytes) of a launch over `blocks` blocks: the ring fills RING_BYTES, less what the
+def plan(n: int, k: int, gated: bool, blocks: int, weight_bytes: int = 2, ring_bytes: int = RING_BYTES
+         ) -> tuple[int, int]:
+    """(ring stages, shared bytes) of a launch over `blocks` blocks: the ring fills `ring_bytes`, less what the
     per-warp partial sums of the block's rows take (and, for fp8, x quantized)."""
     rows = rows_per_stage(n, k, gated, weight_bytes)
     halves = 2 if gated else 1
@@ -376,7 +382,7 @@ def plan(n: int, k: int, gated: bool, blocks: int, weight_bytes: int = 2) -> tup
     most_rows = -(-(n // rows) // blocks) * rows
     # the partial sums, the warps' sums of squares and largest magnitudes, x in fp8
     rest = CONSUMERS // 32 * (halves * most_rows * segs + 2) * 4 + (k if weight_bytes == 1 else 0)
-    stages = min(RING_BYTES, SHARED_LIMIT - rest - 1024) // stage
+    stages = min(ring_bytes, SHARED_LIMIT - rest - 1024) // stage
     return stages, stages * (stage + 16) + rest
 
 
@@ -426,21 +432,24 @@ def supports_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
                 norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-                pdl: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+                pdl: bool = False, scale: torch.Tensor | None = None, before_attention: bool = False
+                ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T -> [1, N] (bf16); with gated, weight = [gate; up] and the result SiLU(gate) * up.
     With norm = (residual, new_residual, norm_weight, eps), the product is of RMSNorm(x + residual) * norm_weight
     instead (rounded as HF rounds), and new_residual receives x + residual: the norm kernel before a GEMV, done by
     the GEMV's consumers (see supports_norm). `pdl`: launched with programmatic dependent launch (pdl.py).
     An fp8 e4m3 weight comes with `scale`, float32 [rows of weight]: the kernel quantizes x (normalised, if `norm`)
     per token as fp8_quant.quantize_rows does and row r's fp8 dot is multiplied by scale[r] and x's scale (W8A8, as
-    the Triton GEMV of 2-16 rows and the prefill's products)."""
+    the Triton GEMV of 2-16 rows and the prefill's products). `before_attention`: the next kernel is the one-kernel
+    decode attention; fp8 weights then stream through a ring of RING_BEFORE_ATTENTION."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
     fp8 = weight.dtype == torch.float8_e4m3fn
     if fp8 != (scale is not None):
         raise ValueError("an fp8 weight needs its per-row scale, a bf16 weight takes none")
     blocks = sm_count(x.device)
-    stages, shared = plan(n, k, gated, blocks, weight.element_size())
+    stages, shared = plan(n, k, gated, blocks, weight.element_size(),
+                          RING_BEFORE_ATTENTION if before_attention and fp8 else RING_BYTES)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     null = ctypes.c_void_p(0)
     residual, new_residual, norm_weight, eps = norm or (null, null, null, 0.0)

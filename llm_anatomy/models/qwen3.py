@@ -52,14 +52,16 @@ class PendingNorm:
     layernorm: RMSNorm
     new_residual: torch.Tensor
 
-    def product(self, layer: nn.Module, plan: ExecutionPlan, gated: bool = False) -> torch.Tensor | None:
-        """The norm and the product by one streaming GEMV, where it takes them; else None (see normed)."""
+    def product(self, layer: nn.Module, plan: ExecutionPlan, gated: bool = False, before_attention: bool = False
+                ) -> torch.Tensor | None:
+        """The norm and the product by one streaming GEMV, where it takes them; else None (see normed).
+        `before_attention`: stream_gemv's."""
         if not (streamable(self.x, layer, gated)
                 and stream_gemv.supports_norm(self.x, self.residual, self.layernorm.weight)):
             return None
         return stream_gemv.stream_gemv(self.x, layer.weight, gated, norm=(self.residual, self.new_residual,
                                                                           self.layernorm.weight, self.layernorm.eps),
-                                       pdl=plan.pdl, scale=row_scales(layer))
+                                       pdl=plan.pdl, scale=row_scales(layer), before_attention=before_attention)
 
     def normed(self, plan: ExecutionPlan) -> torch.Tensor:
         """The norm by its own kernel, for a product that does not take it."""
@@ -101,13 +103,14 @@ def takes_fp8_rows(x: torch.Tensor, layer: nn.Module, plan: ExecutionPlan, gated
             and layer.takes_fp8_rows(x, gated))
 
 
-def skinny_product(x: torch.Tensor, layer: nn.Module, plan: ExecutionPlan, gated: bool = False
-                   ) -> torch.Tensor | None:
+def skinny_product(x: torch.Tensor, layer: nn.Module, plan: ExecutionPlan, gated: bool = False,
+                   before_attention: bool = False) -> torch.Tensor | None:
     """A decode step's product on the fast path: the streaming GEMV for a single row where the plan streams, the
     Triton GEMV with the plan's tile for a few rows; None for a product these do not take (a prefill, an fp8
     layer's few rows: Fp8Linear.fast_product)."""
     if plan.streams(x.shape[0], x.shape[1], x.dtype) and streamable(x, layer, gated):
-        return stream_gemv.stream_gemv(x, layer.weight, gated, pdl=plan.pdl, scale=row_scales(layer))
+        return stream_gemv.stream_gemv(x, layer.weight, gated, pdl=plan.pdl, scale=row_scales(layer),
+                                       before_attention=before_attention)
     weight = layer.weight
     if is_fp8(layer) or not gemv.supports(x, weight):
         return None
@@ -116,18 +119,20 @@ def skinny_product(x: torch.Tensor, layer: nn.Module, plan: ExecutionPlan, gated
     return gemv.gemv(x, weight, gated, tile=tile, pdl=plan.pdl)
 
 
-def linear(x: torch.Tensor | PendingNorm, layer: nn.Linear, plan: ExecutionPlan) -> torch.Tensor:
+def linear(x: torch.Tensor | PendingNorm, layer: nn.Linear, plan: ExecutionPlan, before_attention: bool = False
+           ) -> torch.Tensor:
     """A linear layer; on the fast path a skinny product (decode) runs a bandwidth-tuned GEMV kernel, and the
-    norm before it too where that was left pending."""
+    norm before it too where that was left pending. `before_attention`: the product is qkv_proj's, the one-kernel
+    decode attention next (stream_gemv's)."""
     if isinstance(x, PendingNorm):
-        y = x.product(layer, plan)
+        y = x.product(layer, plan, before_attention=before_attention)
         if y is None:
-            return linear(x.normed(plan), layer, plan)
+            return linear(x.normed(plan), layer, plan, before_attention)
     elif not isinstance(x, torch.Tensor):  # quantized by the norm for this W8A8 product (takes_fp8_rows)
         return layer.fast_product(x, pdl=plan.pdl, fast_accum=plan.fp8_fast_accum)
     elif not plan.kernels:
         return layer(x)
-    elif (y := skinny_product(x, layer, plan)) is None:
+    elif (y := skinny_product(x, layer, plan, before_attention=before_attention)) is None:
         return layer.fast_product(x, pdl=plan.pdl, fast_accum=plan.fp8_fast_accum) if is_fp8(layer) else layer(x)
     return y if layer.bias is None else y + layer.bias
 
@@ -234,7 +239,7 @@ class Attention(nn.Module):
         width = self.num_heads * self.head_dim
         attends = keep is None or len(keep) > 0
         last_row = attends_last_row_alone(batch, keep)
-        qkv = linear(x, self.qkv_proj, plan)
+        qkv = linear(x, self.qkv_proj, plan, before_attention=batch.decode_counts is not None)
         if plan.kernels:
             out = self._fast_attention(qkv, positions, rotary, batch, plan, attends, last_row)
             if out is None:
