@@ -50,9 +50,9 @@ STAGE_BYTES = {2: 32 * 1024, 1: 64 * 1024}
 COPIES = 4
 RING_BYTES = 192 * 1024  # leaves the small kernels between GEMVs room to stay resident beside a block
 # The ring of fp8 qkv weights before the one-kernel attention (`before_attention`): that kernel
-# (decode_attention.rope_decode_attention, 36 KB of shared memory) is then resident beside the GEMV's block and reads
-# its first tile of the cache during the GEMV. Measured with fp8 weights (benchmarks/README.md); bf16 weights keep
-# RING_BYTES (not measured).
+# (decode_attention.rope_decode_attention, about 36 KB of shared memory for its layout conversions) is then resident
+# beside the GEMV's block and reads its first tile of the cache during the GEMV. Measured with fp8 weights
+# (benchmarks/README.md); bf16 weights keep RING_BYTES (not measured).
 RING_BEFORE_ATTENTION = 128 * 1024
 SHARED_LIMIT = 227 * 1024  # a Hopper block's opt-in maximum
 # x stays in registers (128 floats a consumer thread at most). Below 2048 columns (Qwen3-0.6B) the products are
