@@ -199,6 +199,16 @@ def _splits_used(ctx, splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(ctx, tl.maximum(_split_len(ctx, splits, BLOCK_N), 1))
 
 
+@triton.jit
+def _merged(m, l, acc, AXIS: tl.constexpr):
+    """Partials merged along AXIS, the splits': their maxima m and sums l, their unnormalised accumulators acc
+    (the head's values on the axis after AXIS). Empty splits (m = -inf) weigh nothing."""
+    m_all = tl.max(m, axis=AXIS, keep_dims=True)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+    total = tl.sum(l * w, axis=AXIS, keep_dims=True)
+    return tl.sum(acc * tl.expand_dims(w, AXIS + 1), axis=AXIS) / tl.maximum(total, 1e-30)
+
+
 @triton.jit(do_not_specialize=["splits"], do_not_specialize_on_alignment=["ctx_ptr"])
 def _decode_attention_merge_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, n_heads, splits,
                   SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -211,12 +221,9 @@ def _decode_attention_merge_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob,
     base = (b * n_heads + h) * splits + sp
     m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
     l = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits weigh nothing
     d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)  # this program's piece of the head
     acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
-    total = tl.sum(l * w, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    out = _merged(m, l, acc, 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -326,11 +333,8 @@ def _rope_decode_attention_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, pos
             pl = tl.load(ml_ptr + hb * 2 + 1, mask=jm, other=0.0, cache_modifier=".cg")
             pa = tl.load(acc_ptr + hb[:, :, None] * HEAD_DIM + d[None, None, :], mask=jm[:, :, None], other=0.0,
                          cache_modifier=".cg")
-            m_all = tl.max(pm, axis=1)
-            w = tl.where(pm > float("-inf"), tl.exp(pm - m_all[:, None]), 0.0)  # empty splits weigh nothing
-            o = tl.sum(pa * w[:, :, None], axis=1) / tl.maximum(tl.sum(pl * w, axis=1), 1e-30)[:, None]
             tl.store(out_ptr + b * stride_ob + (kvh * GROUP + j)[:, None] * stride_oh + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=(j < GROUP)[:, None])
+                     _merged(pm, pl, pa, 1).to(out_ptr.dtype.element_ty), mask=(j < GROUP)[:, None])
     elif s == 0:  # a padded row (no context): zeros, as the merge gives it
         zeros = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], zeros, mask=gmask[:, None])
