@@ -361,9 +361,7 @@ def rope_decode_attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head
     out = torch.empty(batch, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     acc = torch.empty(batch * n_heads * splits * head_dim, dtype=torch.float32, device=qkv.device)
     ml = torch.empty(batch * n_heads * splits * 2, dtype=torch.float32, device=qkv.device)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn and qkv.dtype != torch.float32  # a float32 row: exact float32 dots
-    words = (fp8 and not interpreted() and head_dim % 4 == 0 and k_cache.stride(1) % 4 == 0
-             and k_cache.stride(2) % 4 == 0 and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
+    fp8, words = _fp8_reads(qkv, k_cache, v_cache, head_dim)
     has_norm = q_norm is not None
     _rope_decode_attention_kernel[(batch, n_kv_heads, splits)](
         qkv, k_cache, v_cache, block_tables, context_lens, positions, slot_mapping, q_norm if has_norm else qkv,
@@ -374,6 +372,15 @@ def rope_decode_attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head
         GROUP_P2=triton.next_power_of_2(group), IEEE=qkv.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl,
         num_warps=ROPE_ATTENTION_WARPS, num_stages=1)
     return out
+
+
+def _fp8_reads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> tuple[bool, bool]:
+    """(fp8, words) of an attention kernel's cache reads: an fp8 cache read as fp8 (dots in fp16) unless the query
+    is float32 (exact float32 dots then), and read as 4-byte words (_fp8_tile) where the cache allows it on a GPU."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    words = (fp8 and q.is_cuda and not interpreted() and head_dim % 4 == 0 and k_cache.stride(1) % 4 == 0
+             and k_cache.stride(2) % 4 == 0 and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
+    return fp8, words
 
 
 def default_splits(batch: int, n_kv_heads: int, sm_count: int) -> int:
@@ -399,10 +406,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = block_n or BLOCK_N
     out = torch.empty_like(q)
     direct = splits == 1  # large batches: nothing to merge, the split kernel writes the output
-    fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32  # a float32 query: exact float32 dots
-    words = (fp8 and q.is_cuda and not interpreted() and head_dim % 4 == 0
-             and k_cache.stride(1) % 4 == 0 and k_cache.stride(2) % 4 == 0
-             and k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0)
+    fp8, words = _fp8_reads(q, k_cache, v_cache, head_dim)
     if num_stages is None:
         num_stages = FP8_STAGES if fp8 and block_n == BLOCK_N else NUM_STAGES
     acc = torch.empty(0 if direct else batch * n_heads * splits * head_dim, dtype=torch.float32, device=q.device)
