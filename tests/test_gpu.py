@@ -78,10 +78,39 @@ def test_short_context_decode_graph_gives_the_long_ones_logits(engine, monkeypat
             mp.setattr(engine, "runner", runner)
             mp.setattr(runner, "run", lambda batch, ahead=None, run=run, rows=rows:
                        rows.append(run(batch, ahead).clone()) or rows[-1])
+            mp.setattr(runner, "run_greedy", lambda batch, ahead=None: None)  # every step through run
             engine.generate(prompt_token_ids=ids, temperature=0, max_tokens=4, ignore_eos=True)
         logits.append(torch.cat(rows[1:]))  # the decode steps
     a, b = logits
     assert a.shape == b.shape and a.shape[0] >= 3 and ((a - b).norm() / b.norm()).item() < 2e-2
+
+
+def test_greedy_steps_picked_in_the_graph_give_the_samplers_tokens(engine, monkeypatch):
+    """Batch 1's greedy steps replay graphs that pick the token themselves (kernels/greedy.py) and leave the next
+    step's inputs in their buffers: the same tokens as the sampler's argmax over the same graphs' logits with every
+    step's inputs copied up, across page boundaries, before and after a sampled request and one with min_tokens
+    (which the sampler serves). Between greedy steps in order the inputs are copied up only at a new page."""
+    assert engine.plan.greedy_in_graph and engine.graphs.greedy_decodes(1) and not engine.graphs.greedy_decodes(2)
+    ids = torch.randint(0, 151643, (40,), generator=torch.Generator().manual_seed(11)).tolist()
+    greedy = dict(prompt_token_ids=ids, temperature=0, max_tokens=40, ignore_eos=True)
+    with monkeypatch.context() as mp:
+        mp.setattr(engine.runner, "run_greedy", lambda batch, ahead=None: None)
+        want = engine.generate(**greedy).output_token_ids
+    uploads, copy, pos = [], torch.Tensor.copy_, engine.graphs.pos.data_ptr()
+
+    def spy(dst, src, *args, **kwargs):
+        if dst.data_ptr() == pos:
+            uploads.append(1)
+        return copy(dst, src, *args, **kwargs)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.Tensor, "copy_", spy)
+        assert engine.generate(**greedy).output_token_ids == want
+    assert 1 <= len(uploads) <= 5  # the first decode step, then positions 48 and 64 (16-token pages)
+    engine.generate(prompt_token_ids=ids, temperature=0.9, seed=3, max_tokens=20, ignore_eos=True)
+    assert engine.generate(**greedy).output_token_ids == want
+    engine.generate(prompt_token_ids=ids, temperature=0, min_tokens=30, max_tokens=35)
+    assert engine.generate(**greedy).output_token_ids == want
 
 
 def test_two_engines_with_different_plans_run_side_by_side(engine):

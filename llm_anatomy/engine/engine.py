@@ -476,19 +476,30 @@ class Engine:
         step, sampled = pending.step, pending.batch.sampled
         for o in self.observers:
             o.on_launch(step)
-        logits = self.runner.run(pending.batch, ahead)
-        if sampled:
-            pending.tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled],
-                                          [s.output_counts for s in sampled], self._banned(sampled))
         top = max((s.params.logprobs for s in sampled if s.params.logprobs is not None), default=None)
+        banned = self._banned(sampled) if sampled else None
+        # every token the argmax of its logits, nothing more asked: a graph may pick them itself (plan.greedy_in_graph)
+        greedy = None
+        if sampled and top is None and banned is None and all(s.params.plain_greedy for s in sampled):
+            greedy = self.runner.run_greedy(pending.batch, ahead)
+        host = None
+        if greedy is not None:
+            logits, pending.tokens, host = greedy
+        else:
+            logits = self.runner.run(pending.batch, ahead)
+            if sampled:
+                pending.tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled],
+                                              [s.output_counts for s in sampled], banned)
         if top is not None:  # only when a request asked: log-softmax and top-k over the vocabulary
             parts = logprobs_of(logits, pending.tokens, top)
             pending.logprobs = tuple(t.to("cpu", non_blocking=True) if t is not None and t.is_cuda else t
                                      for t in parts)
         if sampled and self.device.type == "cuda":  # queue the copy now, ahead of any step launched after this one
-            self._host_flip ^= 1
-            pending.host_tokens = self._host_tokens[self._host_flip, :len(sampled)]
-            pending.host_tokens.copy_(pending.tokens, non_blocking=True)
+            if host is None:
+                self._host_flip ^= 1
+                host = self._host_tokens[self._host_flip, :len(sampled)]
+                host.copy_(pending.tokens, non_blocking=True)
+            pending.host_tokens = host  # (written by the graph itself where it picked the tokens)
             pending.copied = torch.cuda.Event()
             pending.copied.record()
         if step is not None:

@@ -2,8 +2,9 @@
 
 Decode steps replay one graph per batch-size bucket (batch 1 has a second for short contexts, see
 DecodeAttentionPlan), captured over fixed input buffers that share one memory pool, so a step is a handful of
-small copies and one launch instead of hundreds of kernel launches from Python. Rows past the batch in a bucket
-are padding: slot -1 (nothing is stored) and context 0 (nothing is read). A whole prompt of up to
+small copies and one launch instead of hundreds of kernel launches from Python (batch 1's greedy steps one after
+the other: the launch alone, its graphs ending in the greedy kernel, kernels/greedy.py). Rows past the batch in a
+bucket are padding: slot -1 (nothing is stored) and context 0 (nothing is read). A whole prompt of up to
 PREFILL_GRAPH_TOKENS tokens replays a graph of its attention bucket's length (one sequence, nothing cached yet;
 padded tokens sit after the real ones, so causality hides them): a prompt's prefill launches ~450 kernels, and
 eagerly the host falls behind the device in the first layers. Several whole prompts of a step (a server's new
@@ -122,9 +123,9 @@ class BlockTableRows:
         self._stage = [torch.zeros(rows * width, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
 
-    def sync(self, seqs: list[Sequence]) -> None:
+    def sync(self, seqs: list[Sequence]) -> bool:
         """Row i of the device's tables holds seqs[i]'s blocks (past them, whatever was there: the context
-        lengths mask it)."""
+        lengths mask it). Returns whether any row changed."""
         host, held = self._host, self._held
         first, end, width = len(seqs), 0, 0
         for row, seq in enumerate(seqs):
@@ -138,11 +139,12 @@ class BlockTableRows:
             held[row] = (owner, len(blocks))
             first, end, width = min(first, row), row + 1, max(width, len(blocks))
         if width == 0:
-            return
+            return False
         stage = self._stage[self._turn][:(end - first) * width].view(end - first, width)
         self._turn ^= 1
         stage.copy_(torch.from_numpy(host[first:end, :width]))
         self.device_rows[first:end, :width].copy_(stage, non_blocking=True)
+        return True
 
     def reset(self) -> None:
         """Zero the rows, on both sides."""
@@ -175,6 +177,14 @@ class GraphRunner:
         # the short graph's one-kernel attention counts (AttentionBatch.decode_counts), this engine's own
         self.attention_counts = torch.zeros(model.config.num_key_value_heads, dtype=torch.int32, device=dev)
         self.block_tables = BlockTableRows(n, width, dev)
+        # Batch 1's graphs end in the greedy kernel (plan.greedy_in_graph): its token on the device and in pinned
+        # memory (two halves, the kernel flips `greedy_turn`, the host `_turn` with it), its scratch, and what it
+        # left in the input buffers for the step after (see _replay_decode)
+        self.greedy_tokens = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.greedy_host = torch.zeros(2, dtype=torch.int64).pin_memory()
+        self.greedy_turn = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._turn = 0
+        self._advanced: tuple[torch.Tensor, torch.Tensor] | None = None  # (its tokens, the positions it advanced to)
         # Pinned staging, double-buffered: a step's inputs may still be in flight when the next is prepared.
         self._stage = torch.zeros(2, 3, n, dtype=torch.int64).pin_memory()  # ids, positions, slots
         self._stage_lens = torch.zeros(2, n, dtype=torch.int32).pin_memory()
@@ -191,14 +201,22 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         short = plan.decode_attention
+        if plan.greedy_in_graph:
+            from ..kernels.greedy import GreedyScratch
+
+            self._greedy_scratch = GreedyScratch(1, self.model.config.vocab_size, self.device)
         for b in reversed(decode_batch_sizes(self.max_batch)):
             splits, block_n = short.for_step(b, short.short_context + 1)
-            self.decode_graphs[b] = self._capture(self._decode_forward(plan, b, splits, block_n,
-                                                                       short.uses_fp8_cuda(b, short.short_context + 1)))
+            greedy = plan.greedy_in_graph and b == 1
+            self.decode_graphs[b] = self._capture(self._decode_forward(
+                plan, b, splits, block_n, short.uses_fp8_cuda(b, short.short_context + 1), greedy=greedy))
             if b == 1:
                 self.short_graphs[b] = self._capture(self._decode_forward(
                     plan, b, short.short_splits, short.short_block_n,
-                    counts=self.attention_counts if short.rope_attention(b, short.short_context) else None))
+                    counts=self.attention_counts if short.rope_attention(b, short.short_context) else None,
+                    greedy=greedy))
+        self.greedy_turn.zero_()  # the warm-up runs flipped it
+        self._turn = 0
         if max_prefill_tokens > 0:
             self._capture_prefill(plan, max_prefill_tokens)
             cfg = self.model.config  # (an engine of one sequence a step never prefills two prompts together)
@@ -228,13 +246,27 @@ class GraphRunner:
         return graph, out
 
     def _decode_forward(self, plan: ExecutionPlan, b: int, splits: int | None = None, block_n: int | None = None,
-                        fp8_cuda: bool = False, counts: torch.Tensor | None = None):
-        """The batch-b decode step over the fixed buffers (attention as the arguments say), logits out."""
+                        fp8_cuda: bool = False, counts: torch.Tensor | None = None, greedy: bool = False):
+        """The batch-b decode step over the fixed buffers (attention as the arguments say), logits out. With
+        `greedy` (batch 1) the greedy kernel follows: its token in greedy_tokens and greedy_host, the buffers
+        advanced to the next step's inputs (kernels/greedy.py)."""
         tables = self.block_tables.device_rows[:b]
         batch = AttentionBatch(self.pool.k, self.pool.v, self.slots[:b], False, tables, self.lens[:b],
                                decode_splits=splits, decode_block_n=block_n, decode_fp8_cuda=fp8_cuda,
                                decode_counts=counts)
-        return lambda: self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], batch, plan), plan)
+
+        def forward():
+            logits = self.model.compute_logits(self.model(self.ids[:b], self.pos[:b], batch, plan), plan)
+            if greedy:
+                from ..kernels.greedy import DecodeInputs, greedy_next
+
+                greedy_next(logits, self.greedy_tokens, self._greedy_scratch,
+                            DecodeInputs(self.ids[:b], self.pos[:b], self.lens[:b], self.slots[:b], tables,
+                                         self.pool.block_size),
+                            self.greedy_host, self.greedy_turn, pdl=plan.pdl)
+            return logits
+
+        return forward
 
     def _capture_prefill(self, plan: ExecutionPlan, max_tokens: int) -> None:
         sizes = prefill_graph_sizes(max_tokens)
@@ -304,6 +336,7 @@ class GraphRunner:
         return step_ms
 
     def reset_buffers(self) -> None:
+        self._advanced = None
         self.pos.zero_()
         self.lens.zero_()
         self.block_tables.reset()
@@ -349,26 +382,52 @@ class GraphRunner:
         self.batch_prefill_graphs[size].replay()
         return self.batch_logits[:len(seqs)]
 
+    def greedy_decodes(self, batch_size: int) -> bool:
+        """Whether decode_greedy replays this batch size (batch 1 under plan.greedy_in_graph)."""
+        return self.plan is not None and self.plan.greedy_in_graph and batch_size == 1
+
     def decode(self, seqs: list[Sequence], ahead: AheadInputs | None) -> torch.Tensor:
         """Replay the decode graph of the smallest bucket that holds the batch; `ahead.tokens` (on the device) as
-        its input when the step was launched ahead."""
+        its input when the step was launched ahead. Returns the logits."""
+        return self._replay_decode(seqs, ahead, False)
+
+    def decode_greedy(self, seqs: list[Sequence], ahead: AheadInputs | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As decode, for a step whose tokens are the logits' argmax (greedy_decodes): (logits, the tokens on the
+        device, the tokens in pinned host memory once the graph is done). The graph's greedy kernel picked them
+        and left the next step's inputs in the buffers: a greedy step launched ahead of this one's tokens, in the
+        same order, replays without copying anything up."""
+        logits = self._replay_decode(seqs, ahead, True)
+        written = self._turn ^ 1  # the half this replay's kernel wrote
+        return logits, self._advanced[0], self.greedy_host[written:written + 1]
+
+    def _replay_decode(self, seqs: list[Sequence], ahead: AheadInputs | None, greedy: bool) -> torch.Tensor:
         n = len(seqs)
         b = next(size for size in sorted(self.decode_graphs) if size >= n)
         stage, lens = self._stage[self._flip], self._stage_lens[self._flip]
         self._flip ^= 1
         longest = stage_decode_inputs(seqs, None if ahead is None else ahead.offsets, b, stage, lens)
-        self.block_tables.sync(seqs)
-        if ahead is None:
-            self.ids[:b].copy_(stage[0, :b], non_blocking=True)
-        else:
-            self.ids[:n].copy_(ahead.tokens)
-            self.ids[n:b].zero_()
-        self.pos[:b].copy_(stage[1, :b], non_blocking=True)
-        self.slots[:b].copy_(stage[2, :b], non_blocking=True)
-        self.lens[:b].copy_(lens[:b], non_blocking=True)
+        tables_changed = self.block_tables.sync(seqs)
+        # The step before ended in the greedy kernel, whose tokens this step takes in order: the buffers already
+        # hold its inputs (positions one further, each slot from a block table that has not changed since).
+        advanced, self._advanced = self._advanced, None
+        if not (ahead is not None and advanced is not None and ahead.tokens is advanced[0] and not tables_changed
+                and torch.equal(stage[1, :b], advanced[1])):
+            if ahead is None:
+                self.ids[:b].copy_(stage[0, :b], non_blocking=True)
+            else:
+                self.ids[:n].copy_(ahead.tokens)
+                self.ids[n:b].zero_()
+            self.pos[:b].copy_(stage[1, :b], non_blocking=True)
+            self.slots[:b].copy_(stage[2, :b], non_blocking=True)
+            self.lens[:b].copy_(lens[:b], non_blocking=True)
         short = b in self.short_graphs and self.plan.decode_attention.is_short(b, longest)
         graph, logits = (self.short_graphs if short else self.decode_graphs)[b]
         graph.replay()
+        if self.greedy_decodes(b):
+            self._turn ^= 1  # as the kernel flipped greedy_turn
+            if greedy:
+                self._advanced = (self.greedy_tokens[:n], stage[1, :b] + (lens[:b] > 0))
         return logits[:n]
 
     def prefill(self, seq: Sequence) -> torch.Tensor:

@@ -78,6 +78,10 @@ class ExecutionPlan:
     # (beta = 1), so that the norm after them reads one tensor and writes one instead of two of each.
     residual_in_gemm: bool = False
     lookahead: bool = False  # launch step n+1 (a prefill or decode) before reading step n's tokens back
+    # Batch 1's decode graphs end in the greedy kernel (kernels/greedy.py): a greedy step's token picked and handed
+    # to the host inside the graph, and the next step's inputs advanced on the device, so that between two greedy
+    # steps nothing is copied and no kernel is launched from the host.
+    greedy_in_graph: bool = False
     # W8A8's per-token quantization of SiLU(gate) * up for the down projection (more than a batch-1 step's rows) by
     # the CUDA kernel whose row a thread-block cluster shares (kernels/fp8_quant_cuda.py) instead of Triton's one
     # program a row: the same bits.
@@ -124,6 +128,7 @@ class ExecutionPlan:
         return {"kernels": self.kernels, "cuda_graphs": self.cuda_graphs, "pdl": self.pdl,
                 "stream_gemv": self.stream_gemv, "norm_in_gemv": self.norm_in_gemv,
                 "residual_in_gemm": self.residual_in_gemm, "lookahead": self.lookahead,
+                "greedy_in_graph": self.greedy_in_graph,
                 "cuda_gated_quant": self.cuda_gated_quant, "fp8_fast_accum": self.fp8_fast_accum,
                 "fp8_prefill_attention": self.fp8_prefill_attention,
                 **({"fp8_prefill_min_tokens": FP8_PREFILL_MIN_TOKENS} if self.fp8_prefill_attention else {}),
@@ -171,6 +176,7 @@ def choose_plan(config: EngineConfig, device: torch.device, weight_dtype: str, k
         fast_accum = w8a8_gemms
     return ExecutionPlan(kernels=kernels, cuda_graphs=graphs, pdl=pdl, stream_gemv=stream, norm_in_gemv=stream,
                          residual_in_gemm=kernels, lookahead=cuda if config.lookahead is None else config.lookahead,
+                         greedy_in_graph=graphs,
                          cuda_gated_quant=cuda_gated_quant, fp8_fast_accum=fast_accum,
                          fp8_prefill_attention=fp8_prefill,
                          decode_attention=DecodeAttentionPlan(fp8_cuda=fp8_cuda),

@@ -155,6 +155,18 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, attn, plan)[last], plan)
 
     @torch.inference_mode()
+    def run_greedy(self, batch: ScheduledBatch, ahead: AheadInputs | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A decode step whose tokens are its logits' argmax, where a graph picks them itself
+        (GraphRunner.decode_greedy): (logits, the tokens on the device, in pinned host memory). None where
+        no graph does: run the step and sample."""
+        graphs = None if self._eager else self.graphs
+        n = len(batch.seqs)
+        if graphs is None or batch.is_prefill or not graphs.can_decode(n) or not graphs.greedy_decodes(n):
+            return None
+        return graphs.decode_greedy(batch.seqs, ahead)
+
+    @torch.inference_mode()
     def build_attention_plans(self, max_tokens: int) -> None:
         """Attention once at each eager bucket length above the graphs' up to max_tokens, so that cuDNN builds
         its plans now rather than in the first prompt of that length (and its fp8 graphs, where the plan has them)."""
