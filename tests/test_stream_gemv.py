@@ -124,6 +124,36 @@ def test_norm_in_the_gemv_matches_the_norm_kernel_then_the_gemv(n, k, gated, str
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_first_layers_gemv_gathers_its_row_of_the_table(fp8, streaming):
+    """With x_row, x is a table (the embedding) and the input its row x_row[0]; with no residual stream yet
+    (norm's residual None) the GEMV normalises that row, writes it as the new stream and multiplies: the same bits
+    as the row given itself over a stream of zeros (x + 0 is x)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    n, k = 6144, 4096
+    table = torch.randn(300, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    w, scale = quantize_rows(w.float()) if fp8 else (w, None)
+    norm_weight = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    row = torch.tensor([217], device="cuda")
+    stream, stream_ref = (torch.full((1, k), float("nan"), device="cuda").bfloat16(),
+                          torch.empty(1, k, device="cuda").bfloat16())
+    y = sg.stream_gemv(table, w, norm=(None, stream, norm_weight, 1e-6), scale=scale, x_row=row)
+    want = sg.stream_gemv(table[217:218].clone(), w, norm=(torch.zeros(1, k, device="cuda").bfloat16(), stream_ref,
+                                                           norm_weight, 1e-6), scale=scale)
+    assert torch.equal(y, want) and torch.equal(stream, table[217:218])
+    row.fill_(3)  # read on the device at each launch
+    assert torch.equal(sg.stream_gemv(table, w, norm=(None, stream, norm_weight, 1e-6), scale=scale, x_row=row),
+                       sg.stream_gemv(table[3:4].clone(), w, norm=(torch.zeros_like(stream), stream_ref, norm_weight,
+                                                                   1e-6), scale=scale))
+    with pytest.raises(ValueError, match="first layer"):
+        sg.stream_gemv(table[:1], w, norm=(None, stream, norm_weight, 1e-6), scale=scale)
+    with pytest.raises(ValueError, match="int64"):
+        sg.stream_gemv(table, w, norm=(None, stream, norm_weight, 1e-6), scale=scale, x_row=row.int())
+
+
+@cuda
+@pytest.mark.gpu
 def test_chain_in_a_cuda_graph_with_pdl(streaming):
     """Each product waits for the one before (its producer reads weights early, its consumers read x late)."""
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -186,6 +216,7 @@ def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, 
         run = runner.run
         monkeypatch.setattr(runner, "run", lambda batch, ahead=None, run=run, rows=rows:
                             rows.append(run(batch, ahead).clone()) or rows[-1])
+        monkeypatch.setattr(runner, "run_greedy", lambda batch, ahead=None: None)  # every step's logits through run
         normed_launches.clear()
         tokens = engine.generate_many([[5, 9, 2, 7, 1, 3]], temperature=0, max_tokens=12, ignore_eos=True)
         out[name] = torch.cat(rows), tokens[0].output_token_ids

@@ -119,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
 stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restrict__ x,
             unsigned short* __restrict__ y, int n, int stages, const unsigned short* __restrict__ res_in,
             unsigned short* __restrict__ res_out, const unsigned short* __restrict__ norm_w, float eps,
-            const float* __restrict__ w_scale) {
+            const float* __restrict__ w_scale, const long long* __restrict__ x_row) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
     unsigned char* xq = ring + (size_t)stages * STAGE_ELEMS * WB;  // FP8: x in e4m3, K bytes
@@ -174,12 +174,13 @@ stream_gemv(const unsigned char* __restrict__ w, const unsigned short* __restric
     const float scale0_up = HALVES == 2 && tid < mine ? __ldg(w_scale + n + g0 * ROWS + tid) : 0.f;
 #endif
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the kernel before's output
+    if (x_row != nullptr) x += (size_t)__ldcg(x_row) * K;  // x a table (the embedding), the input its row x_row[0]
     float xf[PIECES * 8];
     #pragma unroll
     for (int p = 0; p < PIECES; ++p) {
         uint4 v = HAS_PIECE(p) ? __ldcg((const uint4*)(x + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0);
-#if NORMED  // the residual add, rounded to bf16 as HF's; block 0 writes the new residual stream
-        v = add8(v, HAS_PIECE(p) ? __ldcg((const uint4*)(res_in + (p * CONSUMERS + tid) * 8)) : make_uint4(0, 0, 0, 0));
+#if NORMED  // the residual add, rounded to bf16 as HF's (none before the first layer); block 0 writes the new stream
+        if (res_in != nullptr && HAS_PIECE(p)) v = add8(v, __ldcg((const uint4*)(res_in + (p * CONSUMERS + tid) * 8)));
         if (blockIdx.x == 0 && HAS_PIECE(p)) *(uint4*)(res_out + (p * CONSUMERS + tid) * 8) = v;
 #endif
         unpack8(v, &xf[p * 8]);
@@ -423,17 +424,17 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> bool:
             and plan(n, k, gated, sm_count(x.device), weight.element_size())[0] >= 2)
 
 
-def supports_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-    """Whether the GEMV can add x to the residual stream and RMS-normalise it itself (stream_gemv's `norm`): the
-    stream and the norm's weight one row of x's dtype, contiguous, in 16-byte pieces."""
+def supports_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor) -> bool:
+    """Whether the GEMV can add x to the residual stream (None: no stream yet) and RMS-normalise it itself
+    (stream_gemv's `norm`): the stream and the norm's weight one row of x's dtype, contiguous, in 16-byte pieces."""
     return all(t.dtype == x.dtype and t.is_cuda and t.is_contiguous() and t.numel() == x.shape[1]
-               and t.data_ptr() % 16 == 0 for t in (x, residual, norm_weight))
+               and t.data_ptr() % 16 == 0 for t in (x, residual, norm_weight) if t is not None)
 
 
 def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
-                norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-                pdl: bool = False, scale: torch.Tensor | None = None, before_attention: bool = False
-                ) -> torch.Tensor:
+                norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None,
+                pdl: bool = False, scale: torch.Tensor | None = None, before_attention: bool = False,
+                x_row: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T -> [1, N] (bf16); with gated, weight = [gate; up] and the result SiLU(gate) * up.
     With norm = (residual, new_residual, norm_weight, eps), the product is of RMSNorm(x + residual) * norm_weight
     instead (rounded as HF rounds), and new_residual receives x + residual: the norm kernel before a GEMV, done by
@@ -441,21 +442,30 @@ def stream_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
     An fp8 e4m3 weight comes with `scale`, float32 [rows of weight]: the kernel quantizes x (normalised, if `norm`)
     per token as fp8_quant.quantize_rows does and row r's fp8 dot is multiplied by scale[r] and x's scale (W8A8, as
     the Triton GEMV of 2-16 rows and the prefill's products). `before_attention`: the next kernel is the one-kernel
-    decode attention; fp8 weights then stream through a ring of RING_BEFORE_ATTENTION."""
+    decode attention; fp8 weights then stream through a ring of RING_BEFORE_ATTENTION. With `x_row` (int64 [1] on
+    the device) x is a table [rows, K] (the embedding) and the input its row x_row[0], read after the PDL wait: the
+    gather before the first layer done by its qkv GEMV, whose norm's residual is then None (new_residual receives
+    the row)."""
     n = weight.shape[0] // (2 if gated else 1)
     k = weight.shape[1]
     fp8 = weight.dtype == torch.float8_e4m3fn
     if fp8 != (scale is not None):
         raise ValueError("an fp8 weight needs its per-row scale, a bf16 weight takes none")
+    if x_row is not None and (x_row.dtype != torch.int64 or x_row.numel() != 1 or not x_row.is_cuda):
+        raise ValueError("x_row must be one int64 index on the device")
+    if norm is not None and norm[0] is None and x_row is None:
+        raise ValueError("a norm without a residual stream is the first layer's, over a gathered row (x_row)")
     blocks = sm_count(x.device)
     stages, shared = plan(n, k, gated, blocks, weight.element_size(),
                           RING_BEFORE_ATTENTION if before_attention and fp8 else RING_BYTES)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     null = ctypes.c_void_p(0)
     residual, new_residual, norm_weight, eps = norm or (null, null, null, 0.0)
+    residual = null if residual is None else residual
     with torch.cuda.device(x.device):  # the kernel's module and the stream are those of x's device
         kernel = compile_kernel(source(n, k, gated, norm is not None, weight.element_size()), "stream_gemv",
                                 x.device.index, SHARED_LIMIT)
         launch(kernel, blocks, CONSUMERS + 32, [weight, x, y, n, stages, residual, new_residual, norm_weight,
-                                                float(eps), scale if fp8 else null], pdl=pdl, shared=shared)
+                                                float(eps), scale if fp8 else null,
+                                                null if x_row is None else x_row], pdl=pdl, shared=shared)
     return y

@@ -46,24 +46,31 @@ def packed_shards(config: ModelConfig) -> dict[str, list[int]]:
 class PendingNorm:
     """RMSNorm(x + residual), left for the product after it to compute (ExecutionPlan.norm_in_gemv).
     `new_residual` receives the new residual stream either way: every block of that GEMV reads `residual`, so it
-    cannot be updated in place."""
+    cannot be updated in place. Before the first layer (`row`, see Qwen3ForCausalLM.embedded) x is the embedding
+    table, the input its row `row` (the gather left to the product too) and residual None."""
     x: torch.Tensor
-    residual: torch.Tensor
+    residual: torch.Tensor | None
     layernorm: RMSNorm
     new_residual: torch.Tensor
+    row: torch.Tensor | None = None
 
     def product(self, layer: nn.Module, plan: ExecutionPlan, gated: bool = False, before_attention: bool = False
                 ) -> torch.Tensor | None:
         """The norm and the product by one streaming GEMV, where it takes them; else None (see normed).
         `before_attention`: stream_gemv's."""
-        if not (streamable(self.x, layer, gated)
-                and stream_gemv.supports_norm(self.x, self.residual, self.layernorm.weight)):
+        x = self.x if self.row is None else self.x[:1]  # (the table's first row stands for the row it gathers)
+        if not (streamable(x, layer, gated) and stream_gemv.supports_norm(x, self.residual, self.layernorm.weight)):
             return None
         return stream_gemv.stream_gemv(self.x, layer.weight, gated, norm=(self.residual, self.new_residual,
                                                                           self.layernorm.weight, self.layernorm.eps),
-                                       pdl=plan.pdl, scale=row_scales(layer), before_attention=before_attention)
+                                       pdl=plan.pdl, scale=row_scales(layer), before_attention=before_attention,
+                                       x_row=self.row)
 
     def normed(self, plan: ExecutionPlan) -> torch.Tensor:
+        if self.row is not None:
+            torch.index_select(self.x, 0, self.row, out=self.new_residual)
+            return norm.rmsnorm(self.new_residual, self.layernorm.weight, self.layernorm.eps, pdl=plan.pdl,
+                                launch_first=True)
         """The norm by its own kernel, for a product that does not take it."""
         self.new_residual.copy_(self.residual)
         return norm.rmsnorm(self.x, self.layernorm.weight, self.layernorm.eps, residual=self.new_residual,
@@ -373,6 +380,8 @@ class DecoderLayer(nn.Module):
         qkv_fp8 = takes_fp8_rows(rows, self.self_attn.qkv_proj, plan)
         if residual is None:
             residual, x = x, self.input_layernorm(x, plan, fp8=qkv_fp8)
+        elif isinstance(x, PendingNorm):  # the first layer's, its input the embedding's row (Qwen3ForCausalLM.embedded)
+            pass
         else:
             x, residual = self.input_layernorm.add_forward(x, residual, plan, defer=keep is None, fp8=qkv_fp8)
         if keep is not None:  # only these rows go on past the attention
@@ -410,8 +419,7 @@ class Qwen3ForCausalLM(nn.Module):
         sampled rows), those rows' alone, in keep's order: the last layer stores every row's K and V, but runs its
         o_proj, MLP and norms, and the final norm, on these rows only, the rest of them being needed by nothing
         (an empty keep, a prompt's chunk: nothing past the store). Same values as the rows of the whole forward."""
-        x = self.model.embed_tokens(input_ids)
-        residual = None
+        x, residual = self.embedded(input_ids, plan)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, positions, self.rotary, batch, plan, keep if i == last else None)
@@ -419,6 +427,19 @@ class Qwen3ForCausalLM(nn.Module):
             return residual
         x, _ = self.model.norm.add_forward(x, residual, plan)
         return x
+
+    def embedded(self, input_ids: torch.Tensor, plan: ExecutionPlan
+                 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor | None]:
+        """(the first layer's input, the residual stream): the embedding's rows and None; for a single token where
+        the streaming GEMV takes the first layer's norm, the gather, the norm and qkv_proj's product in that GEMV
+        (a PendingNorm over the table), which writes the row to the residual stream (one kernel where there were
+        three: the gather, the norm, the product)."""
+        table = self.model.embed_tokens.weight
+        if plan.norm_in_gemv and input_ids.shape[0] == 1 and plan.streams(1, table.shape[1], table.dtype):
+            stream = torch.empty(1, table.shape[1], dtype=table.dtype, device=table.device)
+            pending = PendingNorm(table, None, self.model.layers[0].input_layernorm, stream, row=input_ids)
+            return pending, stream
+        return self.model.embed_tokens(input_ids), None
 
     def compute_logits(self, hidden: torch.Tensor, plan: ExecutionPlan = REFERENCE_PLAN) -> torch.Tensor:
         """The logits in the model's dtype: a greedy step's argmax needs nothing wider (bf16 -> float32 is exact,
