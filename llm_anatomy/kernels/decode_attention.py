@@ -209,6 +209,25 @@ def _merged(m, l, acc, AXIS: tl.constexpr):
     return tl.sum(acc * tl.expand_dims(w, AXIS + 1), axis=AXIS) / tl.maximum(total, 1e-30)
 
 
+@triton.jit
+def _merge_group(acc_ptr, ml_ptr, out_ptr, first, splits, used, stride_oh, GROUP: tl.constexpr,
+                 GROUP_P2: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The one-kernel attention's merge of a KV head's group: its GROUP heads' partials (from L2, in one set of
+    loads) over the first `used` of SPLITS splits, into out_ptr's heads (stride_oh apart). `first`: the group's
+    first partial row (heads `splits` rows apart)."""
+    j = tl.arange(0, GROUP_P2)
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    jm = (j < GROUP)[:, None] & (sp < used)[None, :]
+    hb = first + j[:, None] * splits + sp[None, :]  # [GROUP_P2, SPLITS]
+    pm = tl.load(ml_ptr + hb * 2, mask=jm, other=float("-inf"), cache_modifier=".cg")
+    pl = tl.load(ml_ptr + hb * 2 + 1, mask=jm, other=0.0, cache_modifier=".cg")
+    pa = tl.load(acc_ptr + hb[:, :, None] * HEAD_DIM + d[None, None, :], mask=jm[:, :, None], other=0.0,
+                 cache_modifier=".cg")
+    tl.store(out_ptr + j[:, None] * stride_oh + d[None, :], _merged(pm, pl, pa, 1).to(out_ptr.dtype.element_ty),
+             mask=(j < GROUP)[:, None])
+
+
 @triton.jit(do_not_specialize=["splits"], do_not_specialize_on_alignment=["ctx_ptr"])
 def _decode_attention_merge_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, stride_ob, stride_oh, n_heads, splits,
                   SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -256,6 +275,7 @@ def _rope_decode_attention_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, pos
                                   stride_ob, stride_oh, stride_tb, stride_slot, stride_head, n_heads, n_kv_heads,
                                   page_size, splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                                  SPLITS_HALF: tl.constexpr,
                                   HAS_NORM: tl.constexpr, FP8: tl.constexpr, WORDS: tl.constexpr,
                                   GROUP_P2: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
@@ -325,16 +345,15 @@ def _rope_decode_attention_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, pos
         used = _splits_used(ctx, splits, BLOCK_N)
         if arrived == used - 1:
             tl.atomic_xchg(count_ptr + b * n_kv_heads + kvh, 0, sem="relaxed", scope="gpu")  # for the next launch
-            j = tl.arange(0, GROUP_P2)
-            sp = tl.arange(0, SPLITS_PAD)
-            jm = (j < GROUP)[:, None] & (sp < used)[None, :]
-            hb = (b * n_kv_heads * GROUP + kvh * GROUP + j)[:, None] * splits + sp[None, :]  # [GROUP_P2, SPLITS_PAD]
-            pm = tl.load(ml_ptr + hb * 2, mask=jm, other=float("-inf"), cache_modifier=".cg")
-            pl = tl.load(ml_ptr + hb * 2 + 1, mask=jm, other=0.0, cache_modifier=".cg")
-            pa = tl.load(acc_ptr + hb[:, :, None] * HEAD_DIM + d[None, None, :], mask=jm[:, :, None], other=0.0,
-                         cache_modifier=".cg")
-            tl.store(out_ptr + b * stride_ob + (kvh * GROUP + j)[:, None] * stride_oh + d[None, :],
-                     _merged(pm, pl, pa, 1).to(out_ptr.dtype.element_ty), mask=(j < GROUP)[:, None])
+            first = (b * n_kv_heads * GROUP + kvh * GROUP) * splits
+            out = out_ptr + b * stride_ob + kvh * GROUP * stride_oh
+            # a short context fills at most half the splits: its merge reads and sums half as many
+            if used <= SPLITS_HALF:
+                _merge_group(acc_ptr, ml_ptr, out, first, splits, used, stride_oh, GROUP, GROUP_P2, SPLITS_HALF,
+                             HEAD_DIM)
+            else:
+                _merge_group(acc_ptr, ml_ptr, out, first, splits, used, stride_oh, GROUP, GROUP_P2, SPLITS_PAD,
+                             HEAD_DIM)
     elif s == 0:  # a padded row (no context): zeros, as the merge gives it
         zeros = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], zeros, mask=gmask[:, None])
@@ -363,12 +382,14 @@ def rope_decode_attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head
     ml = torch.empty(batch * n_heads * splits * 2, dtype=torch.float32, device=qkv.device)
     fp8, words = _fp8_reads(qkv, k_cache, v_cache, head_dim)
     has_norm = q_norm is not None
+    splits_pad = max(2, triton.next_power_of_2(splits))
     _rope_decode_attention_kernel[(batch, n_kv_heads, splits)](
         qkv, k_cache, v_cache, block_tables, context_lens, positions, slot_mapping, q_norm if has_norm else qkv,
         k_norm if has_norm else qkv, cos, sin, acc, ml, counts, out, scale, eps, qkv.stride(0), out.stride(0),
         out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2), n_heads, n_kv_heads,
         k_cache.shape[1], splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=block_n, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HAS_NORM=has_norm, FP8=fp8, WORDS=words,
+        BLOCK_N=block_n, SPLITS_PAD=splits_pad, SPLITS_HALF=max(1, splits_pad // 2), HAS_NORM=has_norm, FP8=fp8,
+        WORDS=words,
         GROUP_P2=triton.next_power_of_2(group), IEEE=qkv.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl,
         num_warps=ROPE_ATTENTION_WARPS, num_stages=1)
     return out
