@@ -267,6 +267,7 @@ def test_a_batched_request_gets_its_share_of_the_energy(tiny):
     ("_decode_attention_split_kernel", "attention"),
     ("_decode_attention_merge_kernel", "attention"),
     ("_rope_decode_attention_kernel", "attention"),  # batch 1's attention with its QK-norm and RoPE: attention's
+    ("_greedy_kernel", "sampling"),  # batch 1's graphs' argmax, which advances the next step's inputs too
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "gemm"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0",
      "attention"),

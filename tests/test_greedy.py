@@ -98,3 +98,6 @@ def test_bad_arguments_are_refused():
         greedy_next(torch.zeros(2, 1000, device=DEVICE), tokens, scratch, host=host, turn=turn)
     with pytest.raises(ValueError, match="come together"):
         greedy_next(torch.zeros(1, 1000, device=DEVICE), tokens, scratch, host=host)
+    if DEVICE.type == "cuda":  # a kernel can write host memory only where it is pinned (and so mapped)
+        with pytest.raises(ValueError, match="pinned"):
+            greedy_next(torch.zeros(1, 1000, device=DEVICE), tokens, scratch, host=host, turn=turn)

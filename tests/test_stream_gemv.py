@@ -230,6 +230,29 @@ def test_engine_decode_with_streaming_gemvs_matches_triton(save_tiny, tmp_path, 
         assert ((a - b).norm() / b.norm()).item() < 2e-2, name
 
 
+def test_the_first_layers_pending_norm_gathers_and_norms_by_itself_where_no_gemv_takes_it():
+    """The first layer's PendingNorm (the embedding's row, no residual stream yet) for a product the streaming GEMV
+    does not take: the gather, then the norm kernel; the row becomes the residual stream."""
+    pytest.importorskip("triton")
+    from llm_anatomy.engine.plan import ExecutionPlan
+    from llm_anatomy.kernels import use_kernels
+    from llm_anatomy.models.qwen3 import PendingNorm, RMSNorm
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not use_kernels(device):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(50, 64, generator=g).to(device)
+    layernorm = RMSNorm(64, 1e-6).to(device)
+    with torch.no_grad():
+        layernorm.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
+    stream = torch.full((1, 64), float("nan"), device=device)
+    pending = PendingNorm(table, None, layernorm, stream, row=torch.tensor([31], device=device))
+    out = pending.normed(ExecutionPlan(kernels=True))
+    assert torch.equal(stream, table[31:32])
+    assert torch.allclose(out, layernorm(table[31:32]), atol=1e-5)
+
+
 def test_fp8_stages_hold_twice_the_rows():
     """fp8 weights are half the bytes: a stage holds twice the rows of bf16 ones, and K must come in 16 weights."""
     for n, k, gated in ((6144, 4096, False), (12288, 4096, True), (4096, 12288, False), (151936, 4096, False)):

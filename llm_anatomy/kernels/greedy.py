@@ -106,6 +106,8 @@ def greedy_next(logits: torch.Tensor, tokens: torch.Tensor, scratch: GreedyScrat
     if (host is None) != (turn is None) or host is not None and (
             rows != 1 or host.dtype != torch.int64 or host.numel() != 2 or turn.dtype != torch.int32):
         raise ValueError("host (int64 [2]) and turn (int32 [1]) come together, for a single row")
+    if host is not None and logits.is_cuda and not host.is_pinned():
+        raise ValueError("host must be pinned host memory, which the kernel writes through")
     advance = inputs is not None
     i = inputs
     _greedy_kernel[(rows, scratch.chunks)](

@@ -67,11 +67,11 @@ class PendingNorm:
                                        x_row=self.row)
 
     def normed(self, plan: ExecutionPlan) -> torch.Tensor:
+        """The norm by its own kernel (and the gather by its own), for a product that does not take it."""
         if self.row is not None:
             torch.index_select(self.x, 0, self.row, out=self.new_residual)
             return norm.rmsnorm(self.new_residual, self.layernorm.weight, self.layernorm.eps, pdl=plan.pdl,
                                 launch_first=True)
-        """The norm by its own kernel, for a product that does not take it."""
         self.new_residual.copy_(self.residual)
         return norm.rmsnorm(self.x, self.layernorm.weight, self.layernorm.eps, residual=self.new_residual,
                             pdl=plan.pdl, launch_first=True)

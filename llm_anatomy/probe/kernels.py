@@ -18,7 +18,7 @@ from ..engine.engine import Engine
 
 CATEGORIES = [
     ("attention", r"attention|attn|flash|fmha|sdpa|paged|cudnn|_scaled_dot_product|bmm_softmax"),
-    ("sampling", r"argmax|topk|sort|exponential|cumsum|multinomial|sampl|gumbel"),
+    ("sampling", r"argmax|topk|sort|exponential|cumsum|multinomial|sampl|gumbel|greedy"),
     ("rope", r"rope|rotary|rotate|\bcos\b|\bsin\b"),  # before norm: the fused QK-norm + RoPE + store is rope's
     ("norm", r"rms|norm|rsqrt|pow_tensor|mean|reduce_kernel"),
     ("activation", r"silu|gelu|swiglu|act_and_mul"),
