@@ -43,6 +43,9 @@ class FreeRunner:
     def run(self, batch, ahead=None):
         return None
 
+    def run_greedy(self, batch, ahead=None):
+        return None  # no graph picks the tokens: the sampler below makes them
+
 
 def free_sampler(seed: int):
     import torch
