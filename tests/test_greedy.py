@@ -60,7 +60,8 @@ def test_the_next_steps_inputs_advance_from_the_block_table():
     tables = torch.tensor([[5, 6], [7, 9], [0, 0], [3, 8]], dtype=torch.int32, device=DEVICE)
     tokens = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     want = logits.argmax(-1).tolist()
-    greedy_next(logits, tokens, GreedyScratch(4, vocab, DEVICE), DecodeInputs(ids, positions, lens, slots, tables, page))
+    inputs = DecodeInputs(ids, positions, lens, slots, tables, page)
+    greedy_next(logits, tokens, GreedyScratch(4, vocab, DEVICE), inputs)
     assert tokens.tolist() == want
     assert ids.tolist() == [want[0], want[1], 3, want[3]]
     assert positions.tolist() == [16, 21, 0, 32]
