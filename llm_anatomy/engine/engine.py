@@ -477,7 +477,7 @@ class Engine:
         for o in self.observers:
             o.on_launch(step)
         top = max((s.params.logprobs for s in sampled if s.params.logprobs is not None), default=None)
-        banned = self._banned(sampled) if sampled else None
+        banned = self._banned(sampled)
         # every token the argmax of its logits, nothing more asked: a graph may pick them itself (plan.greedy_in_graph)
         greedy = None
         if sampled and top is None and banned is None and all(s.params.plain_greedy for s in sampled):

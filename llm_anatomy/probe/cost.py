@@ -55,8 +55,8 @@ class Cost:
 
 # The kernel category (probe/kernels.py) whose kernels move each part's bytes. At batch 1 on Hopper the decode
 # step's norms and its embedding's gather run inside the streaming GEMVs (models/qwen3.py), so there measured bytes
-# show them under gemm; and
-# in the short graph its rope and kv_write inside the attention's kernel (decode_attention.rope_decode_attention).
+# show them under gemm; and in the short graph its rope and kv_write inside the attention's kernel
+# (decode_attention.rope_decode_attention).
 PART_CATEGORY = {
     "linear": "gemm", "linear_inputs": "gemm", "lm_head": "gemm", "attention": "attention", "kv_read": "attention",
     "kv_write": "rope", "rope": "rope", "norm": "norm", "activation": "activation", "embedding": "copy",
